@@ -1,0 +1,36 @@
+# Two commands for a fresh machine: `make run` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+# torch first, pinned: on the CPU dev machines this wheel is on local disk; any other torch
+# (or a package asking for a newer one) would pull gigabytes of CUDA packages.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup run test unit integration bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(PY) -m model_worker.cli demo
+
+test: setup
+	$(PY) -m pytest -q tests
+
+unit: setup
+	$(PY) -m pytest -q tests/unit
+
+integration: setup
+	$(PY) -m pytest -q tests/integration
+
+bench: setup
+	$(PY) -m loadtest.bench_engine
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,28 @@
+"""iterserve's model worker: a continuous-batching engine over a paged KV cache.
+
+Importing this package does not import torch; the torch model runner loads when an engine is
+built without an injected runner.
+"""
+
+from model_worker.async_engine import AsyncLLMEngine, EngineDeadError
+from model_worker.config import EngineConfig
+from model_worker.engine import LLMEngine
+from model_worker.hashing import hash_block_tokens, hash_prompt_blocks
+from model_worker.outputs import RequestOutput
+from model_worker.request import Priority, RequestStatus
+from model_worker.sampling_params import SamplingParams, SamplingParamsError
+from model_worker.scheduler import RequestRejected
+
+
+def default_model_path(cache_dir: str | None = None) -> str:
+    """Directory of the embedded default model (a normal HF checkpoint), built if missing."""
+    from model_worker.default_model import default_model_path as build
+
+    return build(cache_dir)
+
+
+__all__ = [
+    "AsyncLLMEngine", "EngineConfig", "EngineDeadError", "LLMEngine", "Priority", "RequestOutput",
+    "RequestRejected", "RequestStatus", "SamplingParams", "SamplingParamsError", "default_model_path",
+    "hash_block_tokens", "hash_prompt_blocks",
+]

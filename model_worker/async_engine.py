@@ -1,0 +1,205 @@
+"""AsyncLLMEngine: the step loop in its own thread, streams on the caller's event loop.
+
+The event loop never waits on torch: requests, aborts and stats queries are commands that the
+engine thread applies between steps, and each step's outputs reach the loop in one
+call_soon_threadsafe. Validation that can fail (tokenizing, length checks) runs in the caller
+before anything is queued, so a bad request raises at once and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from model_worker.config import EngineConfig
+from model_worker.engine import LLMEngine
+from model_worker.outputs import RequestOutput
+from model_worker.request import Priority
+from model_worker.sampling_params import SamplingParams
+from model_worker.scheduler import RequestRejected
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error; every request after that fails with this."""
+
+
+class _Stream:
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None,
+                 **engine_kwargs: Any) -> None:
+        self.engine = engine if engine is not None else LLMEngine(config, **engine_kwargs)
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="iterserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    # ---- public API (event loop side) --------------------------------------------------------
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                       request_id: str | None = None, priority: Priority | str | int = Priority.INTERACTIVE,
+                       cache_key: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Leaving the loop early (break, cancel) aborts it."""
+        request_id = request_id or uuid.uuid4().hex
+        params = params if params is not None else SamplingParams()
+        stream = self._open(request_id, prompt, params, priority)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self.engine.abort(request_id))
+
+    def _open(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+              priority: Priority | str | int) -> _Stream:
+        if self._error is not None or self._stopped:
+            raise EngineDeadError("the engine is not running") from self._error
+        token_ids = self.engine.tokenize(prompt)
+        self.engine.scheduler.check_fits(len(token_ids), params.max_tokens)
+        priority = Priority.parse(priority)
+        stream = _Stream(asyncio.get_running_loop())
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise RequestRejected(f"request id {request_id!r} is already in use",
+                                      code="duplicate_request_id", param="request_id")
+            self._streams[request_id] = stream
+        arrival_s = self.engine.clock()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, token_ids, params, priority, arrival_time=arrival_s)
+            except Exception as exc:  # a rejection here is delivered to the stream, not the loop
+                self._deliver_error(request_id, exc)
+
+        self._submit(add)
+        return stream
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(lambda: self.engine.abort(request_id))
+
+    async def stats(self, include_block_hashes: bool = False) -> dict[str, Any]:
+        """A consistent snapshot, taken by the engine thread between two steps."""
+        return await self._call(lambda: self.engine.stats(include_block_hashes))
+
+    async def num_leading_cached_blocks(self, block_hashes: Sequence[int]) -> int:
+        return await self._call(lambda: self.engine.num_leading_cached_blocks(block_hashes))
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout_s)
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        if self._error is not None or self._stopped:
+            raise EngineDeadError("the engine is not running") from self._error
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except Exception as exc:
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        self._submit(run)
+        return await future
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.append(command)
+        self._wakeup.set()
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._apply_commands()
+                if not self.engine.has_unfinished():
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                self._dispatch(self.engine.step())
+        except BaseException as exc:  # the loop must never die silently
+            self._error = exc
+            with self._streams_lock:
+                streams = list(self._streams.items())
+            for request_id, _ in streams:
+                self._deliver_error(request_id, EngineDeadError(f"engine step failed: {exc!r}"))
+        finally:
+            self._apply_commands()
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            self._commands.popleft()()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        with self._streams_lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: its consumers are gone
+                for _, out in items:
+                    if not out.finished:
+                        self.engine.abort(out.request_id)
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            except RuntimeError:
+                pass
+
+
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

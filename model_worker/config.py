@@ -1,0 +1,101 @@
+"""Engine configuration: explicit, validated once, no torch import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BATCHING_MODES = ("continuous", "static")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    # Checkpoint directory (config.json + *.safetensors + tokenizer files) or a hub id.
+    # None means the embedded default model (model_worker.default_model_path()).
+    model: str | None = None
+    # Tokenizer directory or hub id; None uses the model's.
+    tokenizer: str | None = None
+    # Tokens per KV block. 16 is vLLM's default: small enough that prefix sharing is fine-grained,
+    # large enough that block tables stay short.
+    block_size: int = 16
+    # KV blocks in the cache. None sizes the cache from kv_cache_memory_gib (CPU) or from
+    # gpu_memory_utilization (CUDA).
+    num_kv_blocks: int | None = None
+    # KV cache size on CPU when num_kv_blocks is None.
+    kv_cache_memory_gib: float = 1.0
+    # Share of total GPU memory the engine may use (weights + KV cache + activations) on CUDA.
+    gpu_memory_utilization: float = 0.85
+    # Most requests running at once (decoding or prefilling).
+    max_num_seqs: int = 64
+    # Token budget of one step: decodes (1 each) plus prompt chunks. Bounds step latency, so a
+    # long prompt is prefilled over several steps while running requests keep decoding.
+    max_num_batched_tokens: int = 512
+    # Longest prompt + output; None takes the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # Reuse KV blocks of identical prompt prefixes across requests.
+    enable_prefix_caching: bool = True
+    # "continuous": the batch is decided again every step. "static": request-level batching, no
+    # request joins until the whole batch has finished (a baseline for benchmarks only).
+    batching: str = "continuous"
+    device: str = "auto"
+    # "auto": float32 on CPU, bfloat16 on CUDA.
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    # Seed for requests without their own seed.
+    seed: int = 0
+    # Torch intra-op threads on CPU; None uses every core (Ray sets OMP_NUM_THREADS=1 in actors).
+    num_threads: int | None = None
+    # How many recent TTFT samples stats() keeps for its percentiles.
+    stats_window: int = 1000
+
+    def __post_init__(self) -> None:
+        _positive_int("block_size", self.block_size)
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("stats_window", self.stats_window)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.num_threads is not None:
+            _positive_int("num_threads", self.num_threads)
+        if not (isinstance(self.kv_cache_memory_gib, (int, float)) and self.kv_cache_memory_gib > 0):
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}")
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        _choice("batching", self.batching, BATCHING_MODES)
+        _choice("device", self.device, DEVICES)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """What the pure scheduler needs; built from EngineConfig and the runner's numbers."""
+
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_prefix_caching: bool = True
+    batching: str = "continuous"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            _positive_int(name, getattr(self, name))
+        _choice("batching", self.batching, BATCHING_MODES)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

@@ -1,0 +1,210 @@
+"""LLMEngine: a step is schedule -> execute -> update.
+
+The engine owns a scheduler (pure Python), a model runner (torch) and the detokenizers. Only the
+scheduler changes request state; the engine turns sampled tokens into text and outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from model_worker.batch import ModelRunner
+from model_worker.config import EngineConfig, SchedulerConfig
+from model_worker.detokenizer import IncrementalDetokenizer
+from model_worker.outputs import RequestOutput
+from model_worker.request import Priority, Request, RequestStatus, RequestTimings
+from model_worker.sampling_params import SamplingParams
+from model_worker.scheduler import RequestRejected, Scheduler
+from model_worker.stats import RollingStats
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, model_runner: ModelRunner | None = None,
+                 tokenizer: Any = None, eos_token_ids: Sequence[int] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        config = config or EngineConfig()
+        if model_runner is None:
+            config, model_runner = _build_runner(config)
+            tokenizer = tokenizer if tokenizer is not None else model_runner.tokenizer
+        self.config = config
+        self.runner = model_runner
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.vocab_size: int | None = getattr(model_runner, "vocab_size", None)
+        if eos_token_ids is None:
+            eos_token_ids = getattr(model_runner, "eos_token_ids", ())
+        scheduler_config = SchedulerConfig(
+            block_size=config.block_size,
+            num_kv_blocks=model_runner.num_kv_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=model_runner.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
+            batching=config.batching,
+        )
+        self.scheduler = Scheduler(scheduler_config, eos_token_ids, clock)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._rolling = RollingStats(config.stats_window)
+        self.num_steps = 0
+        self.step_time_s = 0.0
+        self.num_prompt_tokens_total = 0
+        self.num_generated_tokens_total = 0
+        self.num_finished = {"stop": 0, "length": 0, "abort": 0}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt: a string is encoded, a list of ids is checked."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected("this engine has no tokenizer: pass token ids", param="prompt")
+            return list(self.tokenizer.encode(prompt))
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise RequestRejected("prompt must be a string or a list of token ids", param="prompt")
+        limit = self.vocab_size
+        bad = [t for t in prompt if t < 0 or (limit is not None and t >= limit)]
+        if bad:
+            raise RequestRejected(f"token id {bad[0]} is outside the vocabulary [0, {limit})",
+                                  code="invalid_token_id", param="prompt")
+        return list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    priority: Priority | str | int = Priority.INTERACTIVE, arrival_time: float | None = None,
+                    cache_key: str | None = None) -> Request:
+        """Queue a request; raise RequestRejected (a ValueError) if it can never be served."""
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestRejected("request_id must be a non-empty string", param="request_id")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestRejected("params must be a SamplingParams", param="params")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=self.tokenize(prompt),
+            sampling_params=params,
+            priority=Priority.parse(priority),
+            timings=RequestTimings(arrival_s=self.clock() if arrival_time is None else arrival_time),
+            cache_key=cache_key,
+        )
+        self.scheduler.add_request(request)
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.stop)
+        self.num_prompt_tokens_total += request.num_prompt_tokens
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request in any state; its blocks are free when this returns."""
+        self._detokenizers.pop(request_id, None)
+        aborted = self.scheduler.abort(request_id)
+        if aborted:
+            self.num_finished["abort"] += 1
+        return aborted
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start_s = self.clock()
+        batch = self.scheduler.schedule()
+        sampled = self.runner.execute(batch) if not batch.is_empty else []
+        progressed = self.scheduler.update(batch, sampled)
+        outputs = {req.request_id: self._progress_output(req) for req in progressed}
+        for request in self.scheduler.take_finished():
+            self._finish_output(request, outputs)
+        now_s = self.clock()
+        if not batch.is_empty:
+            self.num_steps += 1
+            self.step_time_s += now_s - start_s
+        self._rolling.record_tokens(now_s, len(progressed))
+        self.num_generated_tokens_total += len(progressed)
+        return list(outputs.values())
+
+    def _progress_output(self, request: Request) -> RequestOutput:
+        token = request.output_token_ids[-1]
+        text = ""
+        detokenizer = self._detokenizers.get(request.request_id)
+        if detokenizer is not None:
+            text = detokenizer.add_token(token)
+            if detokenizer.stopped_on is not None and not request.status.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED,
+                                              stop_reason=detokenizer.stopped_on)
+        return RequestOutput(request_id=request.request_id, new_token_ids=[token], text_delta=text,
+                             num_prompt_tokens=request.num_prompt_tokens,
+                             num_output_tokens=request.num_output_tokens,
+                             num_cached_tokens=max(request.num_cached_tokens, 0))
+
+    def _finish_output(self, request: Request, outputs: dict[str, RequestOutput]) -> None:
+        out = outputs.get(request.request_id)
+        if out is None:
+            out = outputs[request.request_id] = RequestOutput(
+                request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens,
+                num_output_tokens=request.num_output_tokens,
+                num_cached_tokens=max(request.num_cached_tokens, 0))
+        detokenizer = self._detokenizers.pop(request.request_id, None)
+        if detokenizer is not None:
+            out.text_delta += detokenizer.flush()
+        out.finished = True
+        out.finish_reason = request.status.finish_reason
+        out.stop_reason = request.stop_reason
+        out.timings = request.timings
+        self.num_finished[out.finish_reason] += 1
+        if request.timings.ttft_s is not None:
+            self._rolling.record_ttft(request.timings.ttft_s)
+
+    # ---- observation --------------------------------------------------------------------------
+
+    def num_leading_cached_blocks(self, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of this hash chain this replica's prefix cache holds."""
+        return self.scheduler.kv.pool.num_leading_cached(block_hashes)
+
+    def stats(self, include_block_hashes: bool = False) -> dict[str, Any]:
+        scheduler = self.scheduler
+        pool = scheduler.kv.pool
+        queries = scheduler.prefix_query_tokens
+        stats: dict[str, Any] = {
+            "num_waiting": scheduler.num_waiting,
+            "num_waiting_interactive": scheduler.waiting.count(Priority.INTERACTIVE),
+            "num_waiting_batch": scheduler.waiting.count(Priority.BATCH),
+            "num_running": scheduler.num_running,
+            "num_free_kv_blocks": pool.num_free_blocks,
+            "num_total_kv_blocks": pool.num_blocks,
+            "num_cached_kv_blocks": pool.num_cached_blocks,
+            "kv_usage": scheduler.kv.usage,
+            "block_size": scheduler.config.block_size,
+            "max_model_len": scheduler.config.max_model_len,
+            "prefix_cache_query_tokens": queries,
+            "prefix_cache_hit_tokens": scheduler.prefix_hit_tokens,
+            "prefix_cache_hit_rate": scheduler.prefix_hit_tokens / queries if queries else 0.0,
+            "num_preemptions": scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "prompt_tokens_total": self.num_prompt_tokens_total,
+            "generation_tokens_total": self.num_generated_tokens_total,
+            "requests_finished": dict(self.num_finished),
+            "tokens_per_s": self._rolling.tokens_per_s(self.clock()),
+            "step_time_s": self.step_time_s,
+            "forward_time_s": getattr(self.runner, "forward_time_s", 0.0),
+            "execute_time_s": getattr(self.runner, "execute_time_s", 0.0),
+        }
+        stats.update(self._rolling.ttft_percentiles())
+        if include_block_hashes:
+            stats["cached_block_hashes"] = pool.cached_hashes()
+        return stats
+
+
+def _build_runner(config: EngineConfig) -> tuple[EngineConfig, ModelRunner]:
+    """The torch runner, imported here so the engine core imports without torch."""
+    if config.model is None:
+        from model_worker.default_model import default_model_path
+        config = dataclasses.replace(config, model=default_model_path())
+    from model_worker.runner.model_runner import TorchModelRunner
+    return config, TorchModelRunner(config)

@@ -1,0 +1,103 @@
+"""Per-request block tables over the block pool, with prefix-cache lookup on admission."""
+
+from __future__ import annotations
+
+from model_worker.block_pool import BlockPool, KVBlock
+from model_worker.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._blocks: dict[str, list[KVBlock]] = {}
+        # The same tables as plain ids, kept in step with _blocks so the scheduler can hand the
+        # runner a block table without rebuilding it each step.
+        self._block_ids: dict[str, list[int]] = {}
+        # How many leading blocks of each request are registered in the prefix cache.
+        self._num_cached: dict[str, int] = {}
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """Leading blocks of the request already in the cache. The last token is never a hit:
+        its logits are needed to sample, so it is always computed."""
+        if not self.enable_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for index, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            tokens = request.token_slice(index * self.block_size, (index + 1) * self.block_size)
+            block = self.pool.lookup(block_hash, tokens)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Give the request blocks for num_computed_tokens + num_new_tokens tokens (after adding
+        computed_blocks, prefix hits taken at admission). False, changing nothing, if the pool
+        cannot supply them."""
+        computed_blocks = computed_blocks or []
+        owned = self._blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        num_new_blocks = max(0, self.blocks_needed(total_tokens) - len(owned) - len(computed_blocks))
+        # Idle cached hits sit in the free queue: taking them uses up free blocks too.
+        num_idle_hits = sum(1 for block in computed_blocks if block.ref_count == 0)
+        if num_new_blocks + num_idle_hits > self.pool.num_free_blocks:
+            return False
+        if request.request_id not in self._blocks:
+            self._blocks[request.request_id] = owned
+            self._block_ids[request.request_id] = []
+            self._num_cached[request.request_id] = 0
+        ids = self._block_ids[request.request_id]
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            owned.extend(computed_blocks)
+            ids.extend(block.block_id for block in computed_blocks)
+            self._num_cached[request.request_id] = len(owned)
+        if num_new_blocks:
+            new_blocks = self.pool.allocate(num_new_blocks)
+            owned.extend(new_blocks)
+            ids.extend(block.block_id for block in new_blocks)
+        self._cache_full_blocks(request, total_tokens)
+        return True
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register blocks that are full once this step's tokens are written. Their tokens are
+        known (scheduled tokens are never placeholders), so their hashes are too."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        start = self._num_cached[request.request_id]
+        owned = self._blocks[request.request_id]
+        for index in range(start, num_full):
+            tokens = request.token_slice(index * self.block_size, (index + 1) * self.block_size)
+            self.pool.cache(owned[index], request.block_hashes[index], tokens)
+        self._num_cached[request.request_id] = max(start, num_full)
+
+    def free(self, request: Request) -> None:
+        blocks = self._blocks.pop(request.request_id, None)
+        self._block_ids.pop(request.request_id, None)
+        self._num_cached.pop(request.request_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self._block_ids[request_id]
+
+    def num_owned_blocks(self, request_id: str) -> int:
+        return len(self._blocks.get(request_id, ()))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks referenced by live requests (idle cached blocks count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks

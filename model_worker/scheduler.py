@@ -1,0 +1,275 @@
+"""The iteration-level scheduler: decides the whole batch again before every step.
+
+Each step: running requests first (highest priority, then earliest arrival), each computing what
+it still lacks (one token when decoding, a chunk of prompt while prefilling), then waiting
+requests in the same order while the token budget, max_num_seqs and free blocks allow. A request
+that needs a block when none is free preempts the lowest-priority, latest-arrived running request
+(possibly itself); the victim's full blocks stay in the prefix cache and it is recomputed later.
+No new request is admitted in a step that preempted.
+
+In "static" mode (the request-level batching baseline) waiting requests join only when the
+previous batch has entirely finished, and a finished request is reported only then.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable
+
+from model_worker.batch import ScheduledSequence, SchedulerOutput
+from model_worker.config import SchedulerConfig
+from model_worker.kv_cache_manager import KVCacheManager
+from model_worker.request import Request, RequestStatus
+from model_worker.request_queue import RequestQueue
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served; `code` follows OpenAI's error codes where one fits."""
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+def _running_key(request: Request) -> tuple[int, int]:
+    return (request.priority, request.arrival_seq)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.static = config.batching == "static"
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting = RequestQueue()
+        # Sorted by (priority, arrival): the preemption victim is always the last one.
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._held: list[Request] = []
+        self._finished: list[Request] = []
+        self._next_arrival_seq = 0
+        self.num_preemptions = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # ---- submission and removal -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self._validate(request)
+        request.arrival_seq = self._next_arrival_seq
+        self._next_arrival_seq += 1
+        request.status = RequestStatus.WAITING
+        if self.config.enable_prefix_caching:
+            request.update_block_hashes(self.config.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def _validate(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use",
+                                  code="duplicate_request_id", param="request_id")
+        self.check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestRejected for a request that could never run. Reads only config."""
+        if num_prompt_tokens == 0:
+            raise RequestRejected("the prompt is empty", code="empty_prompt", param="prompt")
+        total = num_prompt_tokens + max_tokens
+        if total > self.config.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.config.max_model_len} tokens; the request "
+                f"asks for {total} ({num_prompt_tokens} in the prompt + {max_tokens} max_tokens)",
+                code="context_length_exceeded", param="max_tokens")
+        blocks = self.kv.blocks_needed(total)
+        if blocks > self.config.num_kv_blocks:
+            raise RequestRejected(
+                f"the request needs {blocks} KV blocks ({total} tokens) but the whole cache has "
+                f"{self.config.num_kv_blocks}", code="context_length_exceeded", param="max_tokens")
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request from any state and free its blocks at once. It is not reported."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            return True
+        for held in self._held:
+            if held.request_id == request_id:
+                self._held.remove(held)
+                held.status = RequestStatus.FINISHED_ABORTED
+                return True
+        return False
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Finish a live request for a reason found outside the scheduler (a stop string)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.stop_reason = stop_reason
+            self._finish(request, status)
+
+    def take_finished(self) -> list[Request]:
+        """Requests whose end should be reported now."""
+        if self._held and not self.running:
+            self._finished.extend(self._held)
+            self._held.clear()
+        finished, self._finished = self._finished, []
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._held or self._finished)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        if self.static and not self.running and not self._held:
+            self._admit_static_batch()
+        budget = self._schedule_running(out, budget)
+        if not self.static and not out.preempted_request_ids:
+            budget = self._schedule_waiting(out, budget)
+        out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                break
+            self._emit(out, request, num_new)
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_request_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hits = self.kv.get_computed_blocks(request)
+            num_hit_tokens = len(hits) * self.config.block_size
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.pop()
+            self._start_running(request, num_hit_tokens)
+            self._emit(out, request, num_new)
+            budget -= num_new
+        return budget
+
+    def _admit_static_batch(self) -> None:
+        """Start a new request-level batch: everyone waiting, up to max_num_seqs, at once."""
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hits = self.kv.get_computed_blocks(request)
+            if not self.kv.allocate_slots(request, 0, hits):
+                break
+            self.waiting.pop()
+            self._start_running(request, len(hits) * self.config.block_size)
+
+    def _start_running(self, request: Request, num_hit_tokens: int) -> None:
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+            self.prefix_query_tokens += request.num_prompt_tokens
+            self.prefix_hit_tokens += num_hit_tokens
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=_running_key)
+
+    def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new
+        out.sequences.append(ScheduledSequence(
+            request_id=request.request_id,
+            token_ids=request.token_slice(start, end),
+            start_position=start,
+            block_table=self.kv.block_ids(request.request_id),
+            sample=end == request.num_tokens,
+            sampling_params=request.sampling_params,
+            output_index=request.num_output_tokens,
+        ))
+        request.num_computed_tokens = end
+        if request.timings.first_scheduled_s is None:
+            request.timings.first_scheduled_s = self.clock()
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(request)
+
+    # ---- after the step -----------------------------------------------------------------------
+
+    def update(self, batch: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Append each sampled token to its request; return the requests that got one."""
+        if len(sampled) != batch.num_sampling:
+            raise RuntimeError(f"runner returned {len(sampled)} tokens for {batch.num_sampling} sequences")
+        now = self.clock()
+        tokens = iter(sampled)
+        progressed = []
+        for seq in batch.sequences:
+            if not seq.sample:
+                continue
+            token = next(tokens)
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.output_token_ids.append(token)
+            if self.config.enable_prefix_caching:
+                request.update_block_hashes(self.config.block_size)
+            if request.timings.first_token_s is None:
+                request.timings.first_token_s = now
+            request.timings.token_times_s.append(now)
+            progressed.append(request)
+            status = self._stop_status(request, token)
+            if status is not None:
+                self._finish(request, status)
+        return progressed
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        request.timings.finished_s = self.clock()
+        del self.requests[request.request_id]
+        if status == RequestStatus.FINISHED_ABORTED:
+            return
+        (self._held if self.static else self._finished).append(request)
+
+    # ---- observation --------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)

@@ -1,0 +1,90 @@
+"""Fake edges for engine tests: a model runner that really reads its paged KV cache, a byte
+tokenizer and a clock. The scheduler, block pool and engine under test are the real classes."""
+
+from __future__ import annotations
+
+import time
+from hashlib import blake2b
+
+from model_worker.batch import SchedulerOutput
+
+
+class FakeKVRunner:
+    """Writes each computed token id into a fake paged KV cache at its slot, and 'samples' the
+    next token as a hash of the whole context read back through the block table. A wrong block
+    table, a bad prefix-cache hit or a lost block changes the tokens, so tests comparing outputs
+    with a solo run catch it."""
+
+    def __init__(self, num_kv_blocks: int, block_size: int, max_model_len: int = 4096,
+                 vocab_size: int = 1000, eos_token_ids: tuple[int, ...] = (), step_delay_s: float = 0.0) -> None:
+        self.step_delay_s = step_delay_s
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer = None
+        self.slots: list[int | None] = [None] * (num_kv_blocks * block_size)
+        self.batches: list[SchedulerOutput] = []
+        self.forced: dict[tuple[str, int], int] = {}
+
+    def _slot(self, block_table: list[int], position: int) -> int:
+        return block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def execute(self, batch: SchedulerOutput) -> list[int]:
+        self.batches.append(batch)
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)  # stands in for a forward pass, so streams can be cut mid-way
+        for seq in batch.sequences:  # every write before any read, as the real runner does
+            for offset, token in enumerate(seq.token_ids):
+                self.slots[self._slot(seq.block_table, seq.start_position + offset)] = token
+        sampled = []
+        for seq in batch.sequences:
+            if not seq.sample:
+                continue
+            context = [self.slots[self._slot(seq.block_table, p)] for p in range(seq.context_len)]
+            assert None not in context, "read an unwritten KV slot"
+            forced = self.forced.get((seq.request_id, seq.output_index))
+            sampled.append(forced if forced is not None else next_token(context, self.vocab_size))
+        return sampled
+
+
+def next_token(context: list[int], vocab_size: int) -> int:
+    digest = blake2b(str(context).encode(), digest_size=8).digest()
+    return 3 + int.from_bytes(digest, "little") % (vocab_size - 3)
+
+
+def reference_tokens(prompt: list[int], max_tokens: int, vocab_size: int = 1000) -> list[int]:
+    """What a request alone must produce."""
+    context = list(prompt)
+    out = []
+    for _ in range(max_tokens):
+        token = next_token(context, vocab_size)
+        out.append(token)
+        context.append(token)
+    return out
+
+
+class ByteTokenizer:
+    """Token id = one UTF-8 byte (+3); 0 is BOS, 1 is EOS, 2 is PAD. Multi-byte characters span
+    several tokens, like byte-level BPE."""
+
+    eos_token_id = 1
+
+    def encode(self, text: str) -> list[int]:
+        return [b + 3 for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        data = bytes(i - 3 for i in ids if i >= 3)
+        return data.decode("utf-8", errors="replace")
+
+
+class FakeClock:
+    def __init__(self, start_s: float = 1000.0) -> None:
+        self.now_s = start_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += seconds

@@ -1,0 +1,128 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, RequestRejected, SamplingParams
+from tests.unit.fakes import ByteTokenizer, FakeKVRunner, reference_tokens
+
+
+def make_async(num_kv_blocks=512, block_size=4, vocab_size=1000, tokenizer=None, step_delay_s=0.001, **config):
+    runner = FakeKVRunner(num_kv_blocks, block_size, vocab_size=vocab_size, step_delay_s=step_delay_s)
+    engine = LLMEngine(EngineConfig(block_size=block_size, **config), model_runner=runner, tokenizer=tokenizer)
+    return AsyncLLMEngine(engine=engine)
+
+
+async def collect(engine, prompt, params, **kw):
+    tokens, text, last = [], "", None
+    async for out in engine.generate(prompt, params, **kw):
+        tokens += out.new_token_ids
+        text += out.text_delta
+        last = out
+    return tokens, text, last
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+def test_concurrent_streams_get_their_own_tokens():
+    engine = make_async()
+
+    async def main():
+        prompts = [[3 + i, 4 + i, 5 + i] for i in range(12)]
+        results = await asyncio.gather(*(collect(engine, p, greedy(5 + i)) for i, p in enumerate(prompts)))
+        for i, (tokens, _, last) in enumerate(results):
+            assert tokens == reference_tokens(prompts[i], 5 + i)
+            assert last.finished and last.finish_reason == "length"
+        stats = await engine.stats()
+        assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_leaving_the_stream_early_aborts_and_frees_blocks():
+    engine = make_async()
+
+    async def main():
+        seen = 0
+        async for _ in engine.generate([5, 6, 7], greedy(1000 - 10), request_id="gone"):
+            seen += 1
+            if seen == 3:
+                break
+        for _ in range(100):
+            stats = await engine.stats()
+            if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert stats["num_running"] == 0 and stats["requests_finished"]["abort"] == 1
+        assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_cancelled_task_aborts_request():
+    engine = make_async()
+
+    async def main():
+        task = asyncio.create_task(collect(engine, [5, 6], greedy(900), request_id="c"))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            stats = await engine.stats()
+            if stats["requests_finished"]["abort"]:
+                break
+            await asyncio.sleep(0.01)
+        assert stats["requests_finished"]["abort"] == 1 and stats["num_running"] == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_bad_requests_raise_before_streaming_and_leave_nothing():
+    engine = make_async(num_kv_blocks=8)
+
+    async def main():
+        with pytest.raises(RequestRejected) as info:
+            await collect(engine, [5] * 30, greedy(10))
+        assert info.value.code == "context_length_exceeded"
+        with pytest.raises(RequestRejected, match="vocabulary"):
+            await collect(engine, [5, -1], greedy(2))
+        stats = await engine.stats()
+        assert stats["num_waiting"] == stats["num_running"] == 0
+        tokens, _, _ = await collect(engine, [5, 6], greedy(3))
+        assert len(tokens) == 3, "the engine still serves"
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_text_streams_and_stop_string_ends_request():
+    tokenizer = ByteTokenizer()
+    engine = make_async(vocab_size=259, tokenizer=tokenizer)
+    runner = engine.engine.runner
+    for i, t in enumerate(tokenizer.encode("héllo wörld<END>tail")):
+        runner.forced[("s", i)] = t
+
+    async def main():
+        _, text, last = await collect(engine, "say hi", greedy(40, stop=["<END>"]), request_id="s")
+        assert text == "héllo wörld"
+        assert last.finish_reason == "stop" and last.stop_reason == "<END>"
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
