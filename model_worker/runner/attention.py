@@ -1,0 +1,284 @@
+"""Attention over the paged KV cache: a small backend interface, a torch backend and flash-attn.
+
+The cache of one layer is two tensors (num_kv_blocks, block_size, num_kv_heads, head_dim). A
+token at position p of a sequence lives in slot block_table[p // block_size] * block_size +
+p % block_size of the flattened (num_slots, num_kv_heads, head_dim) view.
+
+Every backend first writes ALL new K/V of the step into the cache, then attends: a sequence may
+read a prefix-cache block that another sequence of the same step is writing. Metadata is built
+once per step by `prepare` and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ATTENTION_BACKEND_NAMES = ("auto", "torch", "flash_attn")
+
+
+@dataclass(slots=True)
+class StepLayout:
+    """Where each sequence's tokens sit in the packed step, as numpy arrays built by the runner."""
+
+    query_lens: np.ndarray  # (S,) int64: tokens computed this step per sequence
+    start_positions: np.ndarray  # (S,) int64: tokens already in the cache before the step
+    context_lens: np.ndarray  # (S,) int64: start_positions + query_lens
+    query_starts: np.ndarray  # (S + 1,) int64: offsets of each sequence in the packed tokens
+    block_tables: np.ndarray  # (S, max_blocks) int64, right-padded with block 0
+    slot_mapping: np.ndarray  # (T,) int64: cache slot of every new token
+    block_size: int
+
+    def slots_for_positions(self, rows: np.ndarray, max_len: int) -> np.ndarray:
+        """(len(rows), max_len) slots of positions [0, max_len) of the given sequences.
+
+        Positions past a sequence's context map through padded block-table entries (block 0);
+        callers mask them out.
+        """
+        positions = np.arange(max_len, dtype=np.int64)
+        blocks = self.block_tables[rows][:, positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def prepare(self, layout: StepLayout, device: torch.device) -> Any:
+        """Build this step's metadata (tensors on `device`), shared by every layer."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, metadata: Any, scale: float) -> torch.Tensor:
+        """q (T, num_heads, head_dim); k, v (T, num_kv_heads, head_dim) -> (T, num_heads, head_dim)."""
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    token_start: int
+    token_end: int
+    context_len: int
+    # None when the chunk starts the sequence: it attends only to itself, causally, and reads its
+    # K/V straight from the projections. Otherwise the blocks holding positions [0, context_len)
+    # and a (query_len, context_len) bool mask, causal offset by the start position.
+    context_block_ids: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,)
+    # Sequences with one query token (decodes, and one-token chunks) run as one batched SDPA.
+    decode_token_indices: torch.Tensor | None  # (D,) rows in the packed tokens; None when D == 0
+    decode_rows_are_prefix: bool  # decode tokens are rows [0, D): slice instead of gather/scatter
+    # Whole blocks are gathered, not single slots: one contiguous copy of block_size rows is far
+    # cheaper on CPU than block_size scattered ones.
+    decode_block_ids: torch.Tensor | None  # (D * max_blocks,) block tables, right-padded with block 0
+    decode_mask: torch.Tensor | None  # (D, 1, 1, max_blocks * block_size) bool, True where the key is real
+    prefills: list[PrefillChunk]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """F.scaled_dot_product_attention; correct on CPU and CUDA, and the fast path on CPU."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        # Grow-only buffer the decode path gathers K and V into, reused by every layer and step.
+        # A fresh multi-megabyte tensor per layer costs more than the attention itself on CPU:
+        # glibc serves it with new pages from the kernel, faulted in and zeroed each time.
+        self._gather_buffer: torch.Tensor | None = None
+
+    def _gather_buffers(self, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        numel = math.prod(shape)
+        buffer = self._gather_buffer
+        if buffer is None or buffer.numel() < 2 * numel or buffer.dtype != like.dtype or buffer.device != like.device:
+            buffer = self._gather_buffer = torch.empty(2 * numel, dtype=like.dtype, device=like.device)
+        return buffer[:numel].view(shape), buffer[numel:2 * numel].view(shape)
+
+    def prepare(self, layout: StepLayout, device: torch.device) -> TorchAttentionMetadata:
+        query_lens = layout.query_lens
+        decode_rows = np.flatnonzero(query_lens == 1)
+        num_decodes = len(decode_rows)
+        decode_indices = decode_block_ids = decode_mask = None
+        rows_are_prefix = False
+        if num_decodes:
+            token_rows = layout.query_starts[decode_rows]
+            rows_are_prefix = bool(token_rows[-1] == num_decodes - 1)
+            context_lens = layout.context_lens[decode_rows]
+            max_blocks = -(-int(context_lens.max()) // layout.block_size)
+            block_ids = np.ascontiguousarray(layout.block_tables[decode_rows, :max_blocks])
+            padded_len = max_blocks * layout.block_size
+            mask = np.arange(padded_len)[None, :] < context_lens[:, None]
+            decode_indices = torch.from_numpy(token_rows).to(device)
+            decode_block_ids = torch.from_numpy(block_ids.reshape(-1)).to(device)
+            decode_mask = torch.from_numpy(mask).to(device).view(num_decodes, 1, 1, padded_len)
+        prefills = [self._prefill_chunk(layout, row, device) for row in np.flatnonzero(query_lens > 1)]
+        return TorchAttentionMetadata(
+            slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
+            decode_token_indices=decode_indices, decode_rows_are_prefix=rows_are_prefix,
+            decode_block_ids=decode_block_ids, decode_mask=decode_mask, prefills=prefills)
+
+    @staticmethod
+    def _prefill_chunk(layout: StepLayout, row: int, device: torch.device) -> PrefillChunk:
+        token_start, token_end = int(layout.query_starts[row]), int(layout.query_starts[row + 1])
+        start, context_len = int(layout.start_positions[row]), int(layout.context_lens[row])
+        if start == 0:
+            return PrefillChunk(token_start, token_end, context_len, None, None)
+        block_ids = np.ascontiguousarray(layout.block_tables[row, : -(-context_len // layout.block_size)])
+        query_positions = np.arange(start, context_len)
+        mask = np.arange(context_len)[None, :] <= query_positions[:, None]  # (query_len, context_len)
+        return PrefillChunk(token_start, token_end, context_len, torch.from_numpy(block_ids).to(device),
+                            torch.from_numpy(mask).to(device))
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale):
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if metadata.decode_rows_are_prefix and not metadata.prefills:
+            return self._decode(q, k_cache, v_cache, metadata, scale)
+        out = torch.empty_like(q)
+        if metadata.decode_token_indices is not None:
+            if metadata.decode_rows_are_prefix:
+                num_decodes = metadata.decode_token_indices.shape[0]
+                out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, metadata, scale)
+            else:
+                decode_q = q.index_select(0, metadata.decode_token_indices)
+                out.index_copy_(0, metadata.decode_token_indices, self._decode(decode_q, k_cache, v_cache, metadata, scale))
+        for chunk in metadata.prefills:
+            out[chunk.token_start:chunk.token_end] = self._prefill(q, k, v, k_cache, v_cache, chunk, scale)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, metadata: TorchAttentionMetadata, scale) -> torch.Tensor:
+        num_decodes, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        # Query heads of one kv group ride in SDPA's query-length axis, so GQA needs no expanded
+        # K/V copy: (D, num_kv_heads, group, head_dim) against (D, num_kv_heads, context, head_dim).
+        # Query head h uses kv head h // group, as transformers' repeat_kv does.
+        grouped_q = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        # (D, max_blocks * block_size, num_kv_heads, head_dim) -> heads before positions
+        block_ids = metadata.decode_block_ids
+        keys, values = self._gather_buffers((block_ids.shape[0], *k_cache.shape[1:]), k_cache)
+        torch.index_select(k_cache, 0, block_ids, out=keys)
+        torch.index_select(v_cache, 0, block_ids, out=values)
+        keys = keys.view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = values.view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=metadata.decode_mask, scale=scale)
+        return out.reshape(num_decodes, num_heads, head_dim)
+
+    @staticmethod
+    def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale) -> torch.Tensor:
+        query = q[chunk.token_start:chunk.token_end].transpose(0, 1)  # (num_heads, query_len, head_dim)
+        if chunk.context_block_ids is None:
+            keys = k[chunk.token_start:chunk.token_end].transpose(0, 1)
+            values = v[chunk.token_start:chunk.token_end].transpose(0, 1)
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            num_kv_heads, head_dim = k_cache.shape[-2:]
+            # (num_kv_heads, context_len, head_dim)
+            keys = k_cache.index_select(0, chunk.context_block_ids).view(-1, num_kv_heads, head_dim)
+            values = v_cache.index_select(0, chunk.context_block_ids).view(-1, num_kv_heads, head_dim)
+            keys = keys[: chunk.context_len].transpose(0, 1)
+            values = values[: chunk.context_len].transpose(0, 1)
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask, scale=scale,
+                                                 enable_gqa=True)
+        return out.transpose(0, 1)
+
+
+@dataclass(slots=True)
+class FlashAttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,)
+    cu_seqlens_q: torch.Tensor  # (S + 1,) int32
+    cu_seqlens_k: torch.Tensor  # (S + 1,) int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    # Paged path (block_size a multiple of 256): (S, max_blocks) int32. Otherwise None and
+    # context_slots (sum of context_lens,) gathers every sequence's K/V into varlen form.
+    block_table: torch.Tensor | None
+    context_slots: torch.Tensor | None
+
+
+class FlashAttentionBackend(AttentionBackend):
+    """flash_attn_varlen_func over the whole packed step in one call (CUDA only)."""
+
+    name = "flash_attn"
+    # flash-attn reads a paged cache directly only when its page size is a multiple of 256.
+    PAGED_BLOCK_MULTIPLE = 256
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_varlen_func
+
+        self._varlen = flash_attn_varlen_func
+
+    def prepare(self, layout: StepLayout, device: torch.device) -> FlashAttentionMetadata:
+        cu_k = np.zeros(len(layout.context_lens) + 1, dtype=np.int32)
+        np.cumsum(layout.context_lens, out=cu_k[1:])
+        block_table = context_slots = None
+        if layout.block_size % self.PAGED_BLOCK_MULTIPLE == 0:
+            block_table = torch.from_numpy(layout.block_tables.astype(np.int32)).to(device)
+        else:
+            max_context = int(layout.context_lens.max())
+            slots = layout.slots_for_positions(np.arange(len(layout.context_lens)), max_context)
+            valid = np.arange(max_context)[None, :] < layout.context_lens[:, None]
+            context_slots = torch.from_numpy(slots[valid]).to(device)  # row-major: sequence by sequence
+        return FlashAttentionMetadata(
+            slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
+            cu_seqlens_q=torch.from_numpy(layout.query_starts.astype(np.int32)).to(device),
+            cu_seqlens_k=torch.from_numpy(cu_k).to(device),
+            max_seqlen_q=int(layout.query_lens.max()), max_seqlen_k=int(layout.context_lens.max()),
+            block_table=block_table, context_slots=context_slots)
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata: FlashAttentionMetadata, scale):
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if metadata.block_table is not None:
+            keys, values = k_cache, v_cache
+        else:
+            num_kv_heads, head_dim = k_cache.shape[-2:]
+            keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, metadata.context_slots)
+            values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, metadata.context_slots)
+        # causal=True is bottom-right aligned in flash-attn >= 2.1: query i of a chunk starting at
+        # position p sees keys [0, p + i], which is exactly chunked prefill with earlier context.
+        paged = {} if metadata.block_table is None else {"block_table": metadata.block_table}
+        return self._varlen(q.contiguous(), keys, values, metadata.cu_seqlens_q, metadata.cu_seqlens_k,
+                            metadata.max_seqlen_q, metadata.max_seqlen_k, softmax_scale=scale, causal=True, **paged)
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# flash-attn kernels exist for half precision only.
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """"auto": flash-attn on CUDA in half precision when it imports, else torch."""
+    if name not in ATTENTION_BACKEND_NAMES:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_NAMES)}; got {name!r}")
+    if name == "auto":
+        usable = device.type == "cuda" and dtype in FLASH_ATTN_DTYPES and flash_attn_available()
+        name = "flash_attn" if usable else "torch"
+    if name == "flash_attn":
+        if device.type != "cuda":
+            raise ValueError("attention_backend 'flash_attn' needs a CUDA device")
+        if dtype not in FLASH_ATTN_DTYPES:
+            raise ValueError(f"attention_backend 'flash_attn' needs float16 or bfloat16, not {dtype}")
+        if not flash_attn_available():
+            raise ValueError("attention_backend 'flash_attn' needs the flash-attn package (pip install flash-attn)")
+        return FlashAttentionBackend()
+    return TorchAttentionBackend()

@@ -1,0 +1,231 @@
+"""Our own Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+One forward per engine step runs over the packed tokens of every scheduled sequence: prompt
+chunks and decode tokens side by side, shape (num_tokens, hidden). There is no batch dimension
+and no padding; attention is the only op that needs to know where one sequence ends, and it
+reads that from the backend's metadata. q/k/v and gate/up are fused into one matmul each at
+load time. Logits are computed only for the rows the sampler needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from model_worker.runner.attention import AttentionBackend
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# These recompute their frequencies from the current sequence length inside the forward pass, so
+# one set of cos/sin tables cannot serve every sequence of a packed batch.
+DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+@dataclass(slots=True)
+class DecoderSpec:
+    """Shapes and constants of a decoder, read once from a transformers config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    # q/k/v projections carry a bias (Qwen2 always; Llama when attention_bias is set).
+    qkv_bias: bool
+    # o_proj carries a bias (Llama with attention_bias).
+    o_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    # Attention window in tokens, or None for full attention. The runner caps max_model_len at it,
+    # so a sequence never grows past the window and full attention stays exact.
+    sliding_window: int | None
+    # RoPE inverse frequencies (head_dim // 2,) in float32, and the factor cos/sin are scaled by.
+    inv_freq: torch.Tensor
+    rope_attention_scaling: float
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> DecoderSpec:
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        hidden_act = getattr(hf_config, "hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; only silu (SwiGLU) is implemented")
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        inv_freq, attention_scaling = compute_rope_frequencies(hf_config, head_dim)
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        if getattr(hf_config, "mlp_bias", False):
+            raise ValueError("mlp_bias is not supported")
+        return cls(
+            model_type=model_type,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            intermediate_size=hf_config.intermediate_size,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            max_position_embeddings=hf_config.max_position_embeddings,
+            sliding_window=_sliding_window(hf_config, model_type),
+            inv_freq=inv_freq,
+            rope_attention_scaling=float(attention_scaling),
+        )
+
+
+def _sliding_window(hf_config: Any, model_type: str) -> int | None:
+    window = getattr(hf_config, "sliding_window", None)
+    if model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+        return None
+    return int(window) if window else None
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The RoPE settings as one dict, from transformers 5 `rope_parameters` or older fields."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+    else:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    if any(isinstance(value, dict) for value in params.values()):
+        raise ValueError("per-layer-type RoPE parameters are not supported")
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def compute_rope_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """inv_freq (head_dim // 2,) float32 and the cos/sin scaling, exactly as transformers does."""
+    params = rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    if rope_type in DYNAMIC_ROPE_TYPES:
+        raise ValueError(f"RoPE type {rope_type!r} depends on the sequence length at run time and is not supported; "
+                         "use a checkpoint with a static RoPE type (default, linear, llama3, yarn, ...)")
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq, scaling = 1.0 / (float(params["rope_theta"]) ** exponents), 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"unknown RoPE type {rope_type!r}")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+    inv_freq = inv_freq.float().cpu()
+    if inv_freq.numel() * 2 != head_dim:
+        raise ValueError("partial rotary embeddings are not supported")
+    return inv_freq, float(scaling)
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # (hidden,)
+    qkv_proj: torch.Tensor  # (q_size + 2 * kv_size, hidden): q, k, v stacked
+    qkv_bias: torch.Tensor | None  # (q_size + 2 * kv_size,)
+    o_proj: torch.Tensor  # (hidden, q_size)
+    o_bias: torch.Tensor | None  # (hidden,)
+    post_attention_norm: torch.Tensor  # (hidden,)
+    gate_up_proj: torch.Tensor  # (2 * intermediate, hidden): gate, then up
+    down_proj: torch.Tensor  # (hidden, intermediate)
+
+
+@dataclass(slots=True)
+class DecoderWeights:
+    embed_tokens: torch.Tensor  # (vocab, hidden)
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # (hidden,)
+    lm_head: torch.Tensor  # (vocab, hidden); the same tensor as embed_tokens when tied
+
+    def num_bytes(self) -> int:
+        tensors = [self.embed_tokens, self.norm]
+        if self.lm_head.data_ptr() != self.embed_tokens.data_ptr():
+            tensors.append(self.lm_head)
+        for layer in self.layers:
+            tensors += [t for t in (layer.input_norm, layer.qkv_proj, layer.qkv_bias, layer.o_proj, layer.o_bias,
+                                    layer.post_attention_norm, layer.gate_up_proj, layer.down_proj) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class LlamaDecoder:
+    """Functional decoder: plain tensors and torch ops, no nn.Module bookkeeping in the hot loop."""
+
+    def __init__(self, spec: DecoderSpec, weights: DecoderWeights, attention: AttentionBackend,
+                 max_model_len: int) -> None:
+        self.spec = spec
+        self.weights = weights
+        self.attention = attention
+        self.scale = spec.head_dim ** -0.5
+        device, dtype = weights.embed_tokens.device, weights.embed_tokens.dtype
+        # cos/sin tables (max_model_len, head_dim), computed in float32 then cast to the model dtype,
+        # as transformers does per forward.
+        positions = torch.arange(max_model_len, dtype=torch.float32)
+        freqs = torch.outer(positions, spec.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_table = (emb.cos() * spec.rope_attention_scaling).to(device=device, dtype=dtype)
+        self.sin_table = (emb.sin() * spec.rope_attention_scaling).to(device=device, dtype=dtype)
+        # F.rms_norm is one fused op; transformers normalises in float32 and casts back, which only
+        # differs from it below float32.
+        self._fused_norm = dtype == torch.float32
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                attn_metadata: Any, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: (T,). Returns float32 logits (len(logits_indices), vocab)."""
+        spec, weights = self.spec, self.weights
+        hidden = F.embedding(input_ids, weights.embed_tokens)  # (T, hidden)
+        cos = self.cos_table[positions].unsqueeze(1)  # (T, 1, head_dim)
+        sin = self.sin_table[positions].unsqueeze(1)
+        for layer, (k_cache, v_cache) in zip(weights.layers, kv_caches):
+            hidden = self._layer(layer, hidden, cos, sin, k_cache, v_cache, attn_metadata)
+        hidden = hidden[logits_indices]  # the final norm is per row, so only sampled rows need it
+        hidden = self._rms_norm(hidden, weights.norm)
+        return F.linear(hidden, weights.lm_head).float()
+
+    def _layer(self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        spec = self.spec
+        num_tokens = hidden.shape[0]
+        normed = self._rms_norm(hidden, layer.input_norm)
+        qkv = F.linear(normed, layer.qkv_proj, layer.qkv_bias)  # (T, q_size + 2 * kv_size)
+        # q and k are rotated together: (T, num_heads + num_kv_heads, head_dim).
+        qk = qkv[:, : spec.q_size + spec.kv_size].view(num_tokens, spec.num_heads + spec.num_kv_heads, spec.head_dim)
+        qk = qk * cos + _rotate_half(qk) * sin
+        q = qk[:, : spec.num_heads]
+        k = qk[:, spec.num_heads:]
+        v = qkv[:, spec.q_size + spec.kv_size:].view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        attn = self.attention.forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale)  # (T, num_heads, head_dim)
+        hidden = hidden + F.linear(attn.reshape(num_tokens, spec.q_size), layer.o_proj, layer.o_bias)
+        normed = self._rms_norm(hidden, layer.post_attention_norm)
+        gate, up = F.linear(normed, layer.gate_up_proj).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, layer.down_proj)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._fused_norm:
+            return F.rms_norm(x, weight.shape, weight, self.spec.rms_norm_eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

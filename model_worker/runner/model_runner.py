@@ -1,0 +1,231 @@
+"""TorchModelRunner: the ModelRunner that runs our decoder with torch on CPU or CUDA.
+
+execute() turns a SchedulerOutput into packed tensors with numpy (no Python loop per token, one
+per sequence at most), runs one forward over every scheduled token, and samples one token per
+sequence whose `sample` flag is set.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import numpy as np
+import torch
+
+from model_worker.batch import ScheduledSequence, SchedulerOutput
+from model_worker.config import EngineConfig
+from model_worker.runner.attention import StepLayout, create_attention_backend
+from model_worker.runner.llama import LlamaDecoder
+from model_worker.runner.loader import load_checkpoint, load_eos_token_ids, load_tokenizer
+from model_worker.runner.sampler import Sampler
+from model_worker.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class TorchModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        model = config.model
+        if model is None:
+            from model_worker.default_model import default_model_path
+
+            model = default_model_path()
+        checkpoint = load_checkpoint(model, self.device, self.dtype)
+        self.model_path = checkpoint.path
+        self.spec = checkpoint.spec
+        # Rows of the logits; token ids the model accepts are [0, vocab_size).
+        self.vocab_size = checkpoint.spec.vocab_size
+        self.tokenizer = load_tokenizer(config.tokenizer or checkpoint.path)
+        self.eos_token_ids = load_eos_token_ids(checkpoint.path, checkpoint.hf_config, self.tokenizer)
+        self.max_model_len = self._resolve_max_model_len(config.max_model_len)
+        self.block_size = config.block_size
+        self.attention = create_attention_backend(config.attention_backend, self.device, self.dtype)
+        self.model = LlamaDecoder(self.spec, checkpoint.weights, self.attention, self.max_model_len)
+        self.sampler = Sampler(self.device, config.seed)
+        # Cumulative seconds: the model forward (attention included), and all of execute().
+        self.forward_time_s = 0.0
+        self.execute_time_s = 0.0
+        self.num_kv_blocks = config.num_kv_blocks or self._auto_num_kv_blocks()
+        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+
+    def _resolve_max_model_len(self, requested: int | None) -> int:
+        spec = self.spec
+        supported = spec.max_position_embeddings
+        limit_reason = "max_position_embeddings"
+        if spec.sliding_window is not None and spec.sliding_window < supported:
+            # Within the window, sliding-window attention equals full attention.
+            supported, limit_reason = spec.sliding_window, "sliding_window"
+        if requested is None:
+            return supported
+        if requested > supported:
+            raise ValueError(f"max_model_len {requested} exceeds what the model supports "
+                             f"({limit_reason} = {supported})")
+        return requested
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        spec = self.spec
+        element_size = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * element_size
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # Zeroed, not empty: padded gathers read unused slots (masked out), and 0 * NaN is NaN.
+        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        return [(torch.zeros(shape, device=self.device, dtype=self.dtype),
+                 torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in range(self.spec.num_layers)]
+
+    def _auto_num_kv_blocks(self) -> int:
+        if self.device.type == "cuda":
+            budget_bytes = self._cuda_kv_budget_bytes()
+            source = f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
+        else:
+            budget_bytes = self.config.kv_cache_memory_gib * 2**30
+            source = f"kv_cache_memory_gib={self.config.kv_cache_memory_gib}"
+        num_blocks = int(budget_bytes // self.kv_bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError(f"no memory left for the KV cache with {source}")
+        return num_blocks
+
+    def _cuda_kv_budget_bytes(self) -> float:
+        """Total memory * utilization, minus the weights and the peak activations of a full step."""
+        torch.cuda.synchronize(self.device)
+        free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
+        weights_bytes = torch.cuda.memory_allocated(self.device)
+        activation_peak_bytes = self._profile_activation_peak()
+        budget = total_bytes * self.config.gpu_memory_utilization - weights_bytes - activation_peak_bytes
+        # Other processes on the GPU: never plan for more than is actually free.
+        return min(budget, free_bytes - activation_peak_bytes)
+
+    def _profile_activation_peak(self) -> int:
+        """Peak extra memory of one forward + sampling over max_num_batched_tokens tokens."""
+        config = self.config
+        num_tokens = config.max_num_batched_tokens
+        num_seqs = max(1, min(config.max_num_seqs, num_tokens))
+        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        lens = [min(n, self.max_model_len) for n in lens if n > 0]
+        blocks_per_seq = [-(-n // self.block_size) for n in lens]
+        self.kv_caches = self._allocate_kv_cache(sum(blocks_per_seq))
+        first_block = list(itertools.accumulate([0] + blocks_per_seq))
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+        sequences = [ScheduledSequence(request_id=f"profile-{i}", token_ids=[0] * n, start_position=0,
+                                       block_table=list(range(first_block[i], first_block[i] + blocks_per_seq[i])),
+                                       sample=True, sampling_params=params) for i, n in enumerate(lens)]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        self.execute(SchedulerOutput(sequences=sequences, num_scheduled_tokens=sum(lens)))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        self.kv_caches = []
+        self.forward_time_s = self.execute_time_s = 0.0
+        torch.cuda.empty_cache()
+        return peak
+
+    def execute(self, batch: SchedulerOutput) -> list[int]:
+        """One forward over every scheduled token; one sampled token per sequence with sample=True."""
+        if not batch.sequences:
+            return []
+        start_s = time.perf_counter()
+        with torch.inference_mode():
+            logits = self._forward(batch.sequences, all_tokens=False)
+            sampling = [seq for seq in batch.sequences if seq.sample]
+            tokens = self.sampler.sample(logits, [seq.sampling_params for seq in sampling],
+                                         [seq.output_index for seq in sampling])
+        self.execute_time_s += time.perf_counter() - start_s
+        return tokens
+
+    def compute_logits(self, batch: SchedulerOutput, all_tokens: bool = False) -> torch.Tensor:
+        """The forward of execute() without sampling: float32 logits (rows, vocab).
+
+        Rows are the sequences with sample=True, or every scheduled token when all_tokens is set
+        (for checks against a reference model). Writes the batch's K/V into the cache like execute.
+        """
+        with torch.inference_mode():
+            return self._forward(batch.sequences, all_tokens)
+
+    def _forward(self, sequences: list[ScheduledSequence], all_tokens: bool) -> torch.Tensor:
+        input_ids, positions, layout, logits_indices = self._prepare_inputs(sequences)
+        if all_tokens:
+            logits_indices = torch.arange(input_ids.shape[0], device=self.device)
+        metadata = self.attention.prepare(layout, self.device)
+        forward_start_s = time.perf_counter()
+        logits = self.model.forward(input_ids, positions, self.kv_caches, metadata, logits_indices)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.forward_time_s += time.perf_counter() - forward_start_s
+        return logits
+
+    def _prepare_inputs(self, sequences: list[ScheduledSequence]):
+        num_seqs = len(sequences)
+        query_lens = np.fromiter((len(seq.token_ids) for seq in sequences), dtype=np.int64, count=num_seqs)
+        start_positions = np.fromiter((seq.start_position for seq in sequences), dtype=np.int64, count=num_seqs)
+        table_lens = np.fromiter((len(seq.block_table) for seq in sequences), dtype=np.int64, count=num_seqs)
+        context_lens = start_positions + query_lens
+        self._check_batch(sequences, query_lens, context_lens, table_lens)
+        query_starts = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_starts[1:])
+        num_tokens = int(query_starts[-1])
+        # Block tables right-padded with block 0 into one (S, max_blocks) array, filled in one go.
+        block_tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int64)
+        block_tables[np.arange(block_tables.shape[1])[None, :] < table_lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(seq.block_table for seq in sequences), dtype=np.int64,
+            count=int(table_lens.sum()))
+        # Token t of sequence s sits at position start_positions[s] + (t - query_starts[s]).
+        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+        positions = np.arange(num_tokens, dtype=np.int64) - (query_starts[:-1] - start_positions)[seq_of_token]
+        slot_mapping = (block_tables[seq_of_token, positions // self.block_size] * self.block_size
+                        + positions % self.block_size)
+        token_ids = np.fromiter(itertools.chain.from_iterable(seq.token_ids for seq in sequences),
+                                dtype=np.int64, count=num_tokens)
+        self._check_ids(token_ids, block_tables)
+        sample_rows = np.fromiter((seq.sample for seq in sequences), dtype=bool, count=num_seqs)
+        logits_indices = query_starts[1:][sample_rows] - 1
+        layout = StepLayout(query_lens=query_lens, start_positions=start_positions, context_lens=context_lens,
+                            query_starts=query_starts, block_tables=block_tables, slot_mapping=slot_mapping,
+                            block_size=self.block_size)
+        device = self.device
+        return (torch.from_numpy(token_ids).to(device), torch.from_numpy(positions).to(device), layout,
+                torch.from_numpy(logits_indices).to(device))
+
+    def _check_ids(self, token_ids: np.ndarray, block_tables: np.ndarray) -> None:
+        # Out-of-range ids fail with a device-side assert on CUDA; name the culprit here instead.
+        if token_ids.min() < 0 or token_ids.max() >= self.spec.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.spec.vocab_size})")
+        num_blocks = self.kv_caches[0][0].shape[0]
+        if block_tables.min() < 0 or block_tables.max() >= num_blocks:
+            raise ValueError(f"block id out of range [0, {num_blocks})")
+
+    def _check_batch(self, sequences: list[ScheduledSequence], query_lens: np.ndarray, context_lens: np.ndarray,
+                     table_lens: np.ndarray) -> None:
+        if query_lens.min() < 1:
+            raise ValueError("every scheduled sequence needs at least one token")
+        if context_lens.max() > self.max_model_len:
+            row = int(context_lens.argmax())
+            raise ValueError(f"request {sequences[row].request_id} reaches {int(context_lens[row])} tokens, "
+                             f"above max_model_len {self.max_model_len}")
+        short = np.flatnonzero(table_lens * self.block_size < context_lens)
+        if len(short):
+            row = int(short[0])
+            raise ValueError(f"request {sequences[row].request_id}: block table of {int(table_lens[row])} blocks "
+                             f"cannot hold {int(context_lens[row])} tokens")

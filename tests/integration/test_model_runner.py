@@ -1,0 +1,298 @@
+"""TorchModelRunner against transformers: same logits, same greedy tokens, batch-invariant seeds.
+
+Every checkpoint here is built locally (the embedded default model, and tiny seeded Qwen2,
+Mistral and llama3-RoPE Llama models saved with save_pretrained), so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import model_worker.default_model as default_model
+from model_worker.batch import ScheduledSequence, SchedulerOutput
+from model_worker.config import EngineConfig
+from model_worker.runner import TorchModelRunner
+from model_worker.runner.llama import compute_rope_frequencies
+from model_worker.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.integration
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+ATOL = 1e-4
+TEXT = ("The scheduler decides, the runner executes. A runner never changes request state; it only reads "
+        "this batch and returns one sampled token per sequence whose sample flag is set.")
+
+
+def make_runner(model_dir: str, **overrides) -> TorchModelRunner:
+    settings = dict(model=model_dir, num_kv_blocks=128, block_size=16, num_threads=2)
+    settings.update(overrides)
+    return TorchModelRunner(EngineConfig(**settings))
+
+
+def seq(request_id: str, token_ids: list[int], start: int, blocks: list[int], sample: bool = True,
+        params: SamplingParams = GREEDY, output_index: int = 0) -> ScheduledSequence:
+    return ScheduledSequence(request_id=request_id, token_ids=list(token_ids), start_position=start,
+                             block_table=list(blocks), sample=sample, sampling_params=params,
+                             output_index=output_index)
+
+
+def step(*sequences: ScheduledSequence) -> SchedulerOutput:
+    return SchedulerOutput(sequences=list(sequences), num_scheduled_tokens=sum(len(s.token_ids) for s in sequences))
+
+
+def hf_logits(model_dir: str, token_ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0]
+
+
+@pytest.fixture(scope="module")
+def runner(default_model_dir) -> TorchModelRunner:
+    return make_runner(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompt(runner) -> list[int]:
+    token_ids = runner.tokenizer(TEXT)["input_ids"]
+    assert len(token_ids) > 20
+    return token_ids
+
+
+# --- (a), (b): logits at every position equal transformers' ---
+
+def test_default_model_logits_match_transformers(runner, default_model_dir, prompt):
+    ours = runner.compute_logits(step(seq("a", prompt, 0, range(0, 4))), all_tokens=True)
+    torch.testing.assert_close(ours, hf_logits(default_model_dir, prompt), atol=ATOL, rtol=0)
+
+
+def test_default_model_chunked_logits_match_transformers(runner, default_model_dir, prompt):
+    """Chunks of 7 tokens attend to the earlier chunks through the paged cache."""
+    blocks = list(range(4, 8))
+    chunks = [runner.compute_logits(step(seq("a", prompt[i:i + 7], i, blocks)), all_tokens=True)
+              for i in range(0, len(prompt), 7)]
+    torch.testing.assert_close(torch.cat(chunks), hf_logits(default_model_dir, prompt), atol=ATOL, rtol=0)
+
+
+def _save_tiny(tmp_path, config, tokenizer_dir: str) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config)
+    out = str(tmp_path / config.model_type)
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return out
+
+
+def _tiny_configs(vocab_size: int):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    shape = dict(vocab_size=vocab_size, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=256, max_position_embeddings=512, initializer_range=0.05)
+    return {
+        "qwen2": Qwen2Config(tie_word_embeddings=False, **shape),
+        # head_dim 48 differs from hidden_size / num_heads = 32: it must come from the config.
+        "mistral": MistralConfig(head_dim=48, tie_word_embeddings=False, **shape),
+        "llama3_rope": LlamaConfig(attention_bias=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, **shape),
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "llama3_rope"])
+def test_tiny_checkpoints_match_transformers(name, tmp_path, default_model_dir, runner):
+    config = _tiny_configs(runner.vocab_size)[name]
+    model_dir = _save_tiny(tmp_path, config, default_model_dir)
+    tiny = make_runner(model_dir, num_kv_blocks=32)
+    # Long enough to pass original_max_position_embeddings (64) of the llama3 RoPE.
+    token_ids = [(i * 37) % runner.vocab_size for i in range(100)]
+    ours = tiny.compute_logits(step(seq("a", token_ids, 0, range(7))), all_tokens=True)
+    torch.testing.assert_close(ours, hf_logits(model_dir, token_ids), atol=ATOL, rtol=0)
+    if name == "qwen2":
+        assert tiny.model.weights.layers[0].qkv_bias is not None
+
+
+def test_legacy_rope_fields_and_dynamic_rope_refused():
+    legacy = SimpleNamespace(rope_theta=500.0, rope_scaling=None)
+    inv_freq, scaling = compute_rope_frequencies(legacy, head_dim=8)
+    torch.testing.assert_close(inv_freq, 1.0 / 500.0 ** (torch.arange(0, 8, 2).float() / 8))
+    assert scaling == 1.0
+    dynamic = SimpleNamespace(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="dynamic"):
+        compute_rope_frequencies(dynamic, head_dim=8)
+
+
+def test_bad_checkpoints_and_lengths_are_refused(tmp_path, default_model_dir, runner):
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_runner(default_model_dir, max_model_len=4096)
+    gpt2_dir = tmp_path / "gpt2"
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(gpt2_dir)
+    with pytest.raises(ValueError, match="unsupported model_type"):
+        make_runner(str(gpt2_dir))
+    with pytest.raises(ValueError, match="not a local directory"):
+        make_runner(str(tmp_path / "no-such-model"))
+    with pytest.raises(ValueError, match="block table"):
+        runner.execute(step(seq("a", list(range(20)), 0, [0])))
+
+
+# --- (c): chunked prefill mixed with decodes gives the full-prefill token ---
+
+def test_chunked_prefill_mixed_with_decodes_matches_full_prefill(default_model_dir, prompt):
+    runner = make_runner(default_model_dir, num_kv_blocks=64)
+    other = prompt[::-1][:20]
+    expected = runner.execute(step(seq("ref", prompt, 0, range(0, 4))))[0]
+    expected_other = runner.execute(step(seq("ref-other", other, 0, range(4, 6))))[0]
+
+    long_blocks, other_blocks = list(range(10, 14)), list(range(20, 22))
+    cut1, cut2 = 16, 29
+    assert runner.execute(step(seq("other", other, 0, other_blocks),
+                               seq("long", prompt[:cut1], 0, long_blocks, sample=False))) == [expected_other]
+    other_next = runner.execute(step(seq("other", [expected_other], len(other), other_blocks, output_index=1),
+                                     seq("long", prompt[cut1:cut2], cut1, long_blocks, sample=False)))[0]
+    tokens = runner.execute(step(seq("other", [other_next], len(other) + 1, other_blocks, output_index=2),
+                                 seq("long", prompt[cut2:], cut2, long_blocks)))
+    assert tokens[1] == expected
+
+
+def test_prefix_hit_on_block_written_in_the_same_step(default_model_dir, prompt):
+    """B reuses A's first block while A is still writing it: B must read it after A's write."""
+    runner = make_runner(default_model_dir, num_kv_blocks=64)
+    expected = runner.execute(step(seq("ref", prompt, 0, range(0, 4))))[0]
+    writer = seq("A", prompt[:32], 0, [10, 11], sample=False)
+    reader = seq("B", prompt[16:], 16, [10, 20, 21, 22])
+    assert runner.execute(step(writer, reader)) == [expected]
+
+
+# --- (d): greedy decoding reproduces transformers' generate ---
+
+def test_greedy_batch_decoding_matches_generate(runner, default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    texts = ["def execute(self, batch):", "Block hashes are chained and namespaced", TEXT]
+    prompts = [runner.tokenizer(t)["input_ids"] for t in texts]
+    num_new = 12
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False)
+                [0, len(p):].tolist() for p in prompts]
+    tables = [list(range(40 + 8 * i, 48 + 8 * i)) for i in range(len(prompts))]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    batch = [seq(f"r{i}", p, 0, tables[i]) for i, p in enumerate(prompts)]
+    for index in range(num_new):
+        for i, token in enumerate(runner.execute(step(*batch))):
+            outputs[i].append(token)
+        batch = [seq(s.request_id, [outputs[i][-1]], s.context_len, s.block_table, output_index=index + 1)
+                 for i, s in enumerate(batch)]
+    assert outputs == expected
+    assert len({tuple(o) for o in outputs}) == len(outputs)
+    assert len(set(outputs[0])) > 1, "the default model should not repeat one token"
+
+
+# --- (e): seeded sampling does not depend on the batch ---
+
+def _decode(runner: TorchModelRunner, rows: list[tuple[list[int], SamplingParams]], num_new: int,
+            first_block: int) -> list[list[int]]:
+    batch = [seq(f"s{i}", p, 0, range(first_block + 8 * i, first_block + 8 * i + 8), params=params)
+             for i, (p, params) in enumerate(rows)]
+    outputs: list[list[int]] = [[] for _ in rows]
+    for index in range(num_new):
+        for i, token in enumerate(runner.execute(step(*batch))):
+            outputs[i].append(token)
+        batch = [seq(s.request_id, [outputs[i][-1]], s.context_len, s.block_table, params=s.sampling_params,
+                     output_index=index + 1) for i, s in enumerate(batch)]
+    return outputs
+
+
+def test_seeded_sampling_is_batch_invariant_and_survives_recompute(runner, prompt):
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=200, seed=1234)
+    alone = _decode(runner, [(prompt, seeded)], 10, first_block=80)[0]
+    others = [(prompt[:9], SamplingParams(temperature=1.0)), (prompt[5:], GREEDY),
+              (prompt[3:15], SamplingParams(temperature=0.5, top_k=5, seed=7))]
+    batched = _decode(runner, [others[0], (prompt, seeded), *others[1:]], 10, first_block=80)[1]
+    assert batched == alone
+    # Preempted after 6 tokens and recomputed: the prompt and those tokens prefilled in one go.
+    recomputed = runner.execute(step(seq("re", prompt + alone[:6], 0, range(120, 124), params=seeded,
+                                         output_index=6)))
+    assert recomputed == [alone[6]]
+    other_seed = SamplingParams(temperature=0.9, top_p=0.95, top_k=200, seed=1235)
+    assert _decode(runner, [(prompt, other_seed)], 10, first_block=80)[0] != alone
+
+
+def test_top_k_one_is_greedy(runner, prompt):
+    expected = runner.execute(step(seq("g", prompt, 0, range(0, 4))))
+    assert runner.execute(step(seq("k", prompt, 0, range(4, 8), params=SamplingParams(top_k=1)))) == expected
+
+
+# --- (f): the default model is built once ---
+
+def test_default_model_path_is_idempotent(default_model_cache_dir, default_model_dir, monkeypatch):
+    def no_rebuild(out_dir):
+        raise AssertionError("default model rebuilt although it is cached")
+
+    monkeypatch.setattr(default_model, "build_checkpoint", no_rebuild)
+    assert default_model.default_model_path(default_model_cache_dir) == default_model_dir
+
+
+def test_top_p_keeps_exactly_the_sorted_nucleus():
+    """The sort-free top-p (topk window, then bisection for flat rows) keeps the same tokens as the
+    textbook rule over a full sort."""
+    from model_worker.runner.sampler import _apply_top_p
+
+    generator = torch.Generator().manual_seed(0)
+    for scale in (0.3, 1.0, 3.0, 10.0):  # flat rows need bisection, peaked ones fit the window
+        probs = (torch.randn(8, 3000, generator=generator) * scale).softmax(-1)
+        top_ps = [0.3, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0]
+        kept = _apply_top_p(probs, top_ps) > 0
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep_sorted = (sorted_probs.cumsum(-1) - sorted_probs) < torch.tensor(top_ps).unsqueeze(1)
+        assert torch.equal(kept, torch.zeros_like(kept).scatter_(1, order, keep_sorted))
+
+
+# --- the flash-attn backend's metadata and K/V gathering, with a reference kernel on CPU ---
+
+def _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                      block_table=None):
+    """flash_attn_varlen_func semantics in plain torch: causal is bottom-right aligned."""
+    assert causal
+    outputs = []
+    for i in range(len(cu_seqlens_q) - 1):
+        query = q[cu_seqlens_q[i]:cu_seqlens_q[i + 1]]
+        query_len, key_len = query.shape[0], int(cu_seqlens_k[i + 1] - cu_seqlens_k[i])
+        if block_table is None:
+            keys, values = k[cu_seqlens_k[i]:cu_seqlens_k[i + 1]], v[cu_seqlens_k[i]:cu_seqlens_k[i + 1]]
+        else:
+            keys = k[block_table[i].long()].flatten(0, 1)[:key_len]
+            values = v[block_table[i].long()].flatten(0, 1)[:key_len]
+        mask = torch.arange(key_len)[None, :] <= torch.arange(query_len)[:, None] + (key_len - query_len)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
+            scale=softmax_scale, enable_gqa=True)
+        outputs.append(out.transpose(0, 1))
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])  # gathered varlen K/V, and the paged block_table path
+def test_flash_attn_backend_logic_matches_torch_backend(default_model_dir, prompt, block_size):
+    from model_worker.runner.attention import FlashAttentionBackend
+
+    torch_runner = make_runner(default_model_dir, num_kv_blocks=16, block_size=block_size)
+    flash_runner = make_runner(default_model_dir, num_kv_blocks=16, block_size=block_size)
+    fake_flash = FlashAttentionBackend.__new__(FlashAttentionBackend)
+    fake_flash._varlen = _reference_varlen
+    flash_runner.attention = flash_runner.model.attention = fake_flash
+    per_seq = -(-80 // block_size)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(3)]
+    steps = [
+        step(seq("a", prompt[:20], 0, tables[0]), seq("b", prompt[5:9], 0, tables[1])),
+        step(seq("b", [7], 4, tables[1]), seq("a", prompt[20:], 20, tables[0]), seq("c", prompt[:1], 0, tables[2])),
+        step(seq("c", [9], 1, tables[2]), seq("a", [11], len(prompt), tables[0]), seq("b", [3], 5, tables[1])),
+    ]
+    for batch in steps:
+        torch.testing.assert_close(flash_runner.compute_logits(batch, all_tokens=True),
+                                   torch_runner.compute_logits(batch, all_tokens=True), atol=ATOL, rtol=0)
