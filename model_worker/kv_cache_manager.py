@@ -37,10 +37,11 @@ class KVCacheManager:
         return hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> bool:
+                       computed_blocks: list[KVBlock] | None = None, cache_blocks: bool = True) -> bool:
         """Give the request blocks for num_computed_tokens + num_new_tokens tokens (after adding
         computed_blocks, prefix hits taken at admission). False, changing nothing, if the pool
-        cannot supply them."""
+        cannot supply them. cache_blocks=False keeps the new tokens' blocks out of the prefix
+        cache (a slot that is written again and again)."""
         computed_blocks = computed_blocks or []
         owned = self._blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -64,7 +65,8 @@ class KVCacheManager:
             new_blocks = self.pool.allocate(num_new_blocks)
             owned.extend(new_blocks)
             ids.extend(block.block_id for block in new_blocks)
-        self._cache_full_blocks(request, total_tokens)
+        if cache_blocks:
+            self._cache_full_blocks(request, total_tokens)
         return True
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:

@@ -8,7 +8,10 @@ that needs a block when none is free preempts the lowest-priority, latest-arrive
 No new request is admitted in a step that preempted.
 
 In "static" mode (the request-level batching baseline) waiting requests join only when the
-previous batch has entirely finished, and a finished request is reported only then.
+previous batch has entirely finished, and a finished request is reported only then. As in a
+fixed-shape batch (transformers' generate, FasterTransformer), a finished member keeps its slot
+and its KV blocks until the batch ends and keeps costing one decode per step: it recomputes its
+last token in place and the result is discarded.
 """
 
 from __future__ import annotations
@@ -49,7 +52,10 @@ class Scheduler:
         # Sorted by (priority, arrival): the preemption victim is always the last one.
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Static mode: finished batch members, reported (and their blocks freed) when the batch ends.
         self._held: list[Request] = []
+        # Held members that have a KV slot to keep decoding into.
+        self._padding_ids: set[str] = set()
         self._finished: list[Request] = []
         self._next_arrival_seq = 0
         self.num_preemptions = 0
@@ -99,6 +105,8 @@ class Scheduler:
         for held in self._held:
             if held.request_id == request_id:
                 self._held.remove(held)
+                self._padding_ids.discard(request_id)
+                self.kv.free(held)
                 held.status = RequestStatus.FINISHED_ABORTED
                 return True
         return False
@@ -113,8 +121,11 @@ class Scheduler:
     def take_finished(self) -> list[Request]:
         """Requests whose end should be reported now."""
         if self._held and not self.running:
+            for request in self._held:
+                self.kv.free(request)
             self._finished.extend(self._held)
             self._held.clear()
+            self._padding_ids.clear()
         finished, self._finished = self._finished, []
         return finished
 
@@ -129,6 +140,8 @@ class Scheduler:
         if self.static and not self.running and not self._held:
             self._admit_static_batch()
         budget = self._schedule_running(out, budget)
+        if self.static and self.running:
+            budget = self._schedule_padding(out, budget)
         if not self.static and not out.preempted_request_ids:
             budget = self._schedule_waiting(out, budget)
         out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
@@ -167,6 +180,25 @@ class Scheduler:
             self._start_running(request, num_hit_tokens)
             self._emit(out, request, num_new)
             budget -= num_new
+        return budget
+
+    def _schedule_padding(self, out: SchedulerOutput, budget: int) -> int:
+        """Static mode: finished members still cost a decode each, as in a fixed-shape batch."""
+        for request in self._held:
+            if budget == 0:
+                break
+            if request.request_id not in self._padding_ids:
+                continue
+            out.sequences.append(ScheduledSequence(
+                request_id=request.request_id,
+                token_ids=[request.output_token_ids[-1]],
+                start_position=request.num_computed_tokens,
+                block_table=self.kv.block_ids(request.request_id),
+                sample=True,
+                sampling_params=request.sampling_params,
+                output_index=request.num_output_tokens,
+            ))
+            budget -= 1
         return budget
 
     def _admit_static_batch(self) -> None:
@@ -256,13 +288,22 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv.free(request)
         request.status = status
         request.timings.finished_s = self.clock()
         del self.requests[request.request_id]
-        if status == RequestStatus.FINISHED_ABORTED:
+        if self.static and status != RequestStatus.FINISHED_ABORTED:
+            self._hold(request)
             return
-        (self._held if self.static else self._finished).append(request)
+        self.kv.free(request)
+        if status != RequestStatus.FINISHED_ABORTED:
+            self._finished.append(request)
+
+    def _hold(self, request: Request) -> None:
+        """Keep a finished static-batch member's blocks, plus a slot for its last token so it
+        can keep decoding in place. Without a free block for that slot it just waits."""
+        self._held.append(request)
+        if self.kv.allocate_slots(request, 1, cache_blocks=False):
+            self._padding_ids.add(request.request_id)
 
     # ---- observation --------------------------------------------------------------------------
 

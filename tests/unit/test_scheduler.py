@@ -52,11 +52,22 @@ def test_static_batching_holds_short_result_until_batch_ends(make_engine):
     engine.add_request("A", prompt(10, 1), greedy(8))
     engine.add_request("B", prompt(10, 2), greedy(64))
     engine.add_request("C", prompt(10, 3), greedy(8))
-    result = run_to_completion(engine)
-    assert result["finished_at"]["A"] == result["finished_at"]["B"] == 64
-    assert result["finished_at"]["C"] == 64 + 8, "C joins only after the whole batch"
+    tokens: dict[str, list[int]] = {}
+    finished_at: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished():
+        step += 1
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finished_at[out.request_id] = step
+        if step <= 64:
+            ids = {s.request_id for s in engine.runner.batches[-1].sequences}
+            assert ids == {"A", "B"}, "A keeps its batch slot (and a decode per step) until B ends"
+    assert finished_at["A"] == finished_at["B"] == 64
+    assert finished_at["C"] == 64 + 8, "C joins only after the whole batch"
     for rid, seed, n in (("A", 1, 8), ("B", 2, 64), ("C", 3, 8)):
-        assert result["tokens"][rid] == reference_tokens(prompt(10, seed), n)
+        assert tokens[rid] == reference_tokens(prompt(10, seed), n), "padding steps add no tokens"
 
 
 def test_chunked_prefill_never_stalls_running_decodes(make_engine):
