@@ -1,0 +1,257 @@
+"""Engine benchmark: our continuous and static batching against transformers' `generate` in static
+batches and transformers' own continuous batching, on requests sampled from the Azure LLM trace.
+
+    python -m loadtest.bench_engine            # full run (200 requests, ~6 minutes on 2 cores)
+    python -m loadtest.bench_engine --quick    # 40 requests, under 2 minutes
+
+Every system runs the same requests (token ids, output lengths, arrival times), greedy, EOS
+ignored, on 2 torch threads. Two arrival patterns: all at t=0, and Poisson at --poisson-rate.
+Prints one table per pattern, then our engine's forward-time efficiency, and as its last stdout
+line one JSON object (headline keys from the t=0 pattern; the Poisson ones under "poisson").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from loadtest import hf_baselines as hf
+from loadtest.cpu_contention import ContentionWindow
+from loadtest.engine_driver import measure_efficiency, run_engine
+from loadtest.metrics import RequestRecord, RunSummary, format_table, summarize
+from loadtest.traces import (
+    BenchRequest,
+    LengthScaler,
+    all_at_once,
+    build_workload,
+    default_trace_path,
+    load_azure_trace,
+    normal_token_ids,
+    poisson_arrivals,
+    sample_lengths,
+)
+from model_worker import EngineConfig, LLMEngine, SamplingParams, default_model_path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SYSTEMS = ("continuous", "static", "hf_generate", "hf_continuous")
+# Untimed requests each system serves first, so lazy initialisation (kernels, allocator pools,
+# the HF manager's thread) is not billed to the first measured requests.
+NUM_WARMUP_REQUESTS = 4
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="40 requests (under 2 minutes in all)")
+    p.add_argument("--num-requests", type=int, default=None, help="default 200, or 40 with --quick")
+    p.add_argument("--trace", type=Path, default=None, help="Azure trace CSV (default ../shared/traces/...)")
+    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded tiny Llama)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--poisson-rate", type=float, default=None,
+                   help="requests/s of the Poisson pattern (default 8)")
+    p.add_argument("--prompt-divisor", type=float, default=4.0)
+    p.add_argument("--prompt-min", type=int, default=8)
+    p.add_argument("--prompt-max", type=int, default=512)
+    p.add_argument("--output-divisor", type=float, default=2.0)
+    p.add_argument("--output-min", type=int, default=4)
+    p.add_argument("--output-max", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for every system")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--patterns", default="t0,poisson", help="comma-separated subset of t0,poisson")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="ours, both modes")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="ours, both modes")
+    p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of HF generate")
+    # HF continuous batching; unset ones take HFContinuousOptions' tuned defaults.
+    p.add_argument("--hf-cb-attn", default=None, help="sdpa (default) or paged|eager")
+    p.add_argument("--hf-cb-page-size", type=int, default=None, help="default 32")
+    p.add_argument("--hf-cb-num-blocks", type=int, default=None, help="default 2048")
+    p.add_argument("--hf-cb-max-batch-tokens", type=int, default=None, help="default 512")
+    p.add_argument("--hf-cb-max-requests", type=int, default=None, help="default 32")
+    p.add_argument("--no-efficiency", action="store_true", help="skip the forward-time efficiency window")
+    args = p.parse_args(argv)
+    if args.num_requests is None:
+        args.num_requests = 40 if args.quick else 200
+    if args.poisson_rate is None:
+        args.poisson_rate = 8.0
+    args.systems = [s for s in args.systems.split(",") if s]
+    args.patterns = [s for s in args.patterns.split(",") if s]
+    unknown = set(args.systems) - set(SYSTEMS) | set(args.patterns) - {"t0", "poisson"}
+    if unknown:
+        p.error(f"unknown systems or patterns: {sorted(unknown)}")
+    return args
+
+
+def build_workloads(args: argparse.Namespace, vocab_size: int, special_ids: list[int]
+                    ) -> dict[str, list[BenchRequest]]:
+    """One workload per arrival pattern. Both take the same sampled lengths, but each gets its own
+    prompts, so our prefix cache cannot serve the second pattern from the first."""
+    trace_path = args.trace or default_trace_path(REPO_ROOT)
+    rows = load_azure_trace(trace_path)
+    scaler = LengthScaler(args.prompt_divisor, args.prompt_min, args.prompt_max,
+                          args.output_divisor, args.output_min, args.output_max)
+    lengths = sample_lengths(rows, args.num_requests, scaler, seed=args.seed)
+    pool = normal_token_ids(vocab_size, special_ids)
+    arrivals = {"t0": all_at_once(args.num_requests),
+                "poisson": poisson_arrivals(args.num_requests, args.poisson_rate, seed=args.seed)}
+    return {name: build_workload(lengths, arrivals[name], pool, seed=args.seed + 1 + i)
+            for i, name in enumerate(arrivals) if name in args.patterns}
+
+
+def warmup_workload(workload: list[BenchRequest]) -> list[BenchRequest]:
+    """A few short requests made of the workload's tokens, renamed so ids never clash."""
+    return [BenchRequest(f"warmup-{i}", r.prompt_token_ids[:32][::-1], min(r.output_tokens, 8), 0.0)
+            for i, r in enumerate(workload[:NUM_WARMUP_REQUESTS])]
+
+
+class Runners:
+    """Builds each system once and runs workloads through it."""
+
+    def __init__(self, args: argparse.Namespace, model_path: str) -> None:
+        torch.set_num_threads(args.threads)
+        self.args = args
+        self.model_path = model_path
+        self._built: dict[str, Any] = {}
+
+    def _engine(self, batching: str) -> LLMEngine:
+        if batching not in self._built:
+            self._built[batching] = LLMEngine(EngineConfig(
+                model=self.model_path, batching=batching, max_num_seqs=self.args.max_num_seqs,
+                max_num_batched_tokens=self.args.max_num_batched_tokens, num_threads=self.args.threads))
+        return self._built[batching]
+
+    def _hf_model(self) -> torch.nn.Module:
+        if "hf" not in self._built:
+            self._built["hf"] = hf.load_hf_model(self.model_path, num_threads=self.args.threads)
+        return self._built["hf"]
+
+    def hf_cb_options(self) -> hf.HFContinuousOptions:
+        a = self.args
+        given = {"attn_implementation": a.hf_cb_attn, "page_size": a.hf_cb_page_size,
+                 "num_blocks": a.hf_cb_num_blocks, "max_batch_tokens": a.hf_cb_max_batch_tokens,
+                 "max_requests_per_batch": a.hf_cb_max_requests}
+        return hf.HFContinuousOptions(**{k: v for k, v in given.items() if v is not None})
+
+    def run(self, system: str, workload: list[BenchRequest], pad_id: int) -> list[RequestRecord]:
+        if system in ("continuous", "static"):
+            return run_engine(self._engine(system), workload, greedy_params)
+        if system == "hf_generate":
+            return hf.run_hf_generate(self._hf_model(), workload, self.args.hf_batch_size, pad_id)
+        return hf.run_hf_continuous(self._hf_model(), workload, self.hf_cb_options())
+
+    def efficiency(self, token_pool: np.ndarray) -> dict[str, float]:
+        result = measure_efficiency(self._engine("continuous"), greedy_params, token_pool)
+        return {"efficiency": result.efficiency, "efficiency_forward_s": result.forward_s,
+                "efficiency_wall_s": result.wall_s, "efficiency_steps": result.num_steps,
+                "efficiency_tokens_per_s": result.num_tokens / result.wall_s if result.wall_s else 0.0}
+
+
+def matmul_gflops(threads: int) -> float:
+    """A 0.3 s probe of what the CPU delivers right now. On a shared 2-core box it swings 1.5-3x
+    with neighbours' load; printed next to each run so a reader can tell a slow system from a slow
+    machine."""
+    torch.set_num_threads(threads)
+    a = torch.randn(512, 512)
+    a @ a
+    start, reps = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.3:
+        a @ a
+        reps += 1
+    return reps * 2 * 512**3 / (time.perf_counter() - start) / 1e9
+
+
+def greedy_params(num_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+
+
+def _load_tokenizer(model_path: str) -> tuple[Any, int, int]:
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    vocab_size = min(len(tokenizer), AutoConfig.from_pretrained(model_path).vocab_size)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    return tokenizer, vocab_size, pad_id
+
+
+def headline(results: dict[str, dict[str, RunSummary]]) -> dict[str, float]:
+    """Flat keys for one pattern: <system>_tokens_per_s, _ttft_p50_s/_p99_s, _e2e_p50_s/_p99_s,
+    and the ratios of our continuous mode over each other system."""
+    out: dict[str, float] = {}
+    for system, s in results.items():
+        out[f"{system}_tokens_per_s"] = s.useful_tokens_per_s
+        for name in ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s"):
+            out[f"{system}_{name}"] = getattr(s, name)
+    if "continuous" in results:
+        ours = results["continuous"].useful_tokens_per_s
+        for other in ("static", "hf_continuous", "hf_generate"):
+            if other in results:
+                out[f"continuous_over_{other}"] = ours / results[other].useful_tokens_per_s
+    return out
+
+
+def run_systems(args: argparse.Namespace, runners: Runners, workloads: dict[str, list[BenchRequest]],
+                pad_id: int) -> tuple[dict[str, dict[str, RunSummary]], dict[str, dict[str, dict]]]:
+    """Each system, warmed up, through each pattern. Returns summaries and, per run, how fast the
+    CPU was and how much of it other processes took (pattern -> system -> ...)."""
+    started = time.perf_counter()
+    results: dict[str, dict[str, RunSummary]] = {name: {} for name in workloads}
+    noise: dict[str, dict[str, dict]] = {name: {} for name in workloads}
+    for system in args.systems:
+        runners.run(system, warmup_workload(next(iter(workloads.values()))), pad_id)
+        for pattern, workload in workloads.items():
+            gflops = matmul_gflops(args.threads)
+            window = ContentionWindow.start()
+            summary = results[pattern][system] = summarize(runners.run(system, workload, pad_id))
+            foreign = window.foreign_share()
+            noise[pattern][system] = {"machine_gflops": gflops, "foreign_cpu_share": foreign}
+            busy = f"  (other processes took {foreign:.0%} of the CPU: noisy)" if (foreign or 0) > 0.1 else ""
+            print(f"[{time.perf_counter() - started:6.1f}s] {pattern:<8} {system:<14} "
+                  f"{summary.useful_tokens_per_s:8.1f} tok/s, matmul {gflops:.0f} GFLOP/s{busy}",
+                  file=sys.stderr, flush=True)
+    return results, noise
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # psutil nags on CPU
+    started = time.perf_counter()
+    if args.model is None:
+        args.model = default_model_path()
+    tokenizer, vocab_size, pad_id = _load_tokenizer(args.model)
+    special_ids = list(tokenizer.all_special_ids)
+    workloads = build_workloads(args, vocab_size, special_ids)
+    runners = Runners(args, args.model)
+    results, noise = run_systems(args, runners, workloads, pad_id)
+
+    report: dict[str, Any] = {}
+    for pattern, by_system in results.items():
+        label = "all at t=0" if pattern == "t0" else f"Poisson arrivals at {args.poisson_rate:g} req/s"
+        print(f"\n{len(workloads[pattern])} requests, {label}:\n{format_table(by_system)}")
+        if pattern == "t0":
+            report.update(headline(by_system))
+        else:
+            report[pattern] = headline(by_system)
+        report.setdefault("details", {})[pattern] = {
+            system: {**summary.as_dict(), **noise[pattern][system]} for system, summary in by_system.items()}
+    if not args.no_efficiency and "continuous" in args.systems:
+        report.update(runners.efficiency(normal_token_ids(vocab_size, special_ids)))
+        print(f"\nour continuous mode, 32 running: forward / wall = {report['efficiency']:.3f} "
+              f"over {report['efficiency_steps']} steps")
+    report["config"] = {
+        "num_requests": args.num_requests, "poisson_rate": args.poisson_rate, "seed": args.seed,
+        "threads": args.threads, "hf_batch_size": args.hf_batch_size, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "hf_cb": asdict(runners.hf_cb_options()),
+        "model": args.model, "quick": args.quick, "total_s": time.perf_counter() - started,
+    }
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
