@@ -67,8 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for every system")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--patterns", default="t0,poisson", help="comma-separated subset of t0,poisson")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="ours, both modes")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="ours, both modes")
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig().max_num_seqs,
+                   help="ours, both modes (default: the engine's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens,
+                   help="ours, both modes (default: the engine's)")
     p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of HF generate")
     # HF continuous batching; unset ones take HFContinuousOptions' tuned defaults.
     p.add_argument("--hf-cb-attn", default=None, help="sdpa (default) or paged|eager")

@@ -79,16 +79,51 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
-class TorchAttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,)
-    # Sequences with one query token (decodes, and one-token chunks) run as one batched SDPA.
-    decode_token_indices: torch.Tensor | None  # (D,) rows in the packed tokens; None when D == 0
-    decode_rows_are_prefix: bool  # decode tokens are rows [0, D): slice instead of gather/scatter
+class DecodeGroup:
+    """Sequences with one query token and similar context lengths, run as one batched SDPA."""
+
+    token_indices: torch.Tensor  # (G,) rows in the packed tokens
     # Whole blocks are gathered, not single slots: one contiguous copy of block_size rows is far
     # cheaper on CPU than block_size scattered ones.
-    decode_block_ids: torch.Tensor | None  # (D * max_blocks,) block tables, right-padded with block 0
-    decode_mask: torch.Tensor | None  # (D, 1, 1, max_blocks * block_size) bool, True where the key is real
+    block_ids: torch.Tensor  # (G * max_blocks,) block tables, right-padded with block 0
+    mask: torch.Tensor  # (G, 1, 1, max_blocks * block_size) bool, True where the key is real
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,)
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+
+
+# Decode attention reads every padded key, so decodes are split into groups of similar context
+# length. A group costs a few extra kernel launches per layer, worth about this many block-rows of
+# attention on CPU (about 60 us at ~8 GB/s); a split is taken only if it saves more than that.
+_GROUP_OVERHEAD_BLOCK_ROWS = 32
+_MAX_DECODE_GROUPS = 4
+
+
+def split_decode_groups(num_blocks_sorted: np.ndarray) -> list[tuple[int, int]]:
+    """Cut rows sorted by ascending block count into at most _MAX_DECODE_GROUPS [start, end)
+    ranges, greedily taking the split that removes the most padded block-rows each time."""
+    groups = [(0, len(num_blocks_sorted))]
+    while len(groups) < _MAX_DECODE_GROUPS:
+        best_saving, best = _GROUP_OVERHEAD_BLOCK_ROWS, None
+        for index, (start, end) in enumerate(groups):
+            if end - start < 2:
+                continue
+            # Splitting before row k pads rows [start, k) to num_blocks[k - 1] instead of num_blocks[end - 1].
+            lower_max = num_blocks_sorted[start:end - 1]
+            savings = np.arange(1, end - start) * (num_blocks_sorted[end - 1] - lower_max)
+            k = int(savings.argmax())
+            if savings[k] > best_saving:
+                best_saving, best = savings[k], (index, start + k + 1)
+        if best is None:
+            break
+        index, cut = best
+        start, end = groups[index]
+        groups[index:index + 1] = [(start, cut), (cut, end)]
+    return groups
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -112,25 +147,28 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, layout: StepLayout, device: torch.device) -> TorchAttentionMetadata:
         query_lens = layout.query_lens
         decode_rows = np.flatnonzero(query_lens == 1)
-        num_decodes = len(decode_rows)
-        decode_indices = decode_block_ids = decode_mask = None
-        rows_are_prefix = False
-        if num_decodes:
-            token_rows = layout.query_starts[decode_rows]
-            rows_are_prefix = bool(token_rows[-1] == num_decodes - 1)
+        groups = []
+        if len(decode_rows):
             context_lens = layout.context_lens[decode_rows]
-            max_blocks = -(-int(context_lens.max()) // layout.block_size)
-            block_ids = np.ascontiguousarray(layout.block_tables[decode_rows, :max_blocks])
-            padded_len = max_blocks * layout.block_size
-            mask = np.arange(padded_len)[None, :] < context_lens[:, None]
-            decode_indices = torch.from_numpy(token_rows).to(device)
-            decode_block_ids = torch.from_numpy(block_ids.reshape(-1)).to(device)
-            decode_mask = torch.from_numpy(mask).to(device).view(num_decodes, 1, 1, padded_len)
+            order = np.argsort(context_lens, kind="stable")
+            decode_rows, context_lens = decode_rows[order], context_lens[order]
+            num_blocks = -(-context_lens // layout.block_size)
+            for start, end in split_decode_groups(num_blocks):
+                groups.append(self._decode_group(layout, decode_rows[start:end], context_lens[start:end],
+                                                 int(num_blocks[end - 1]), device))
         prefills = [self._prefill_chunk(layout, row, device) for row in np.flatnonzero(query_lens > 1)]
-        return TorchAttentionMetadata(
-            slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
-            decode_token_indices=decode_indices, decode_rows_are_prefix=rows_are_prefix,
-            decode_block_ids=decode_block_ids, decode_mask=decode_mask, prefills=prefills)
+        return TorchAttentionMetadata(slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
+                                      decode_groups=groups, prefills=prefills)
+
+    @staticmethod
+    def _decode_group(layout: StepLayout, rows: np.ndarray, context_lens: np.ndarray, max_blocks: int,
+                      device: torch.device) -> DecodeGroup:
+        block_ids = np.ascontiguousarray(layout.block_tables[rows, :max_blocks])
+        padded_len = max_blocks * layout.block_size
+        mask = np.arange(padded_len)[None, :] < context_lens[:, None]
+        return DecodeGroup(token_indices=torch.from_numpy(layout.query_starts[rows]).to(device),
+                           block_ids=torch.from_numpy(block_ids.reshape(-1)).to(device),
+                           mask=torch.from_numpy(mask).to(device).view(len(rows), 1, 1, padded_len))
 
     @staticmethod
     def _prefill_chunk(layout: StepLayout, row: int, device: torch.device) -> PrefillChunk:
@@ -146,21 +184,15 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale):
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        if metadata.decode_rows_are_prefix and not metadata.prefills:
-            return self._decode(q, k_cache, v_cache, metadata, scale)
         out = torch.empty_like(q)
-        if metadata.decode_token_indices is not None:
-            if metadata.decode_rows_are_prefix:
-                num_decodes = metadata.decode_token_indices.shape[0]
-                out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, metadata, scale)
-            else:
-                decode_q = q.index_select(0, metadata.decode_token_indices)
-                out.index_copy_(0, metadata.decode_token_indices, self._decode(decode_q, k_cache, v_cache, metadata, scale))
+        for group in metadata.decode_groups:
+            decode_q = q.index_select(0, group.token_indices)
+            out.index_copy_(0, group.token_indices, self._decode(decode_q, k_cache, v_cache, group, scale))
         for chunk in metadata.prefills:
             out[chunk.token_start:chunk.token_end] = self._prefill(q, k, v, k_cache, v_cache, chunk, scale)
         return out
 
-    def _decode(self, q, k_cache, v_cache, metadata: TorchAttentionMetadata, scale) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, group: DecodeGroup, scale) -> torch.Tensor:
         num_decodes, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         # Query heads of one kv group ride in SDPA's query-length axis, so GQA needs no expanded
@@ -168,13 +200,13 @@ class TorchAttentionBackend(AttentionBackend):
         # Query head h uses kv head h // group, as transformers' repeat_kv does.
         grouped_q = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
         # (D, max_blocks * block_size, num_kv_heads, head_dim) -> heads before positions
-        block_ids = metadata.decode_block_ids
+        block_ids = group.block_ids
         keys, values = self._gather_buffers((block_ids.shape[0], *k_cache.shape[1:]), k_cache)
         torch.index_select(k_cache, 0, block_ids, out=keys)
         torch.index_select(v_cache, 0, block_ids, out=values)
         keys = keys.view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
         values = values.view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=metadata.decode_mask, scale=scale)
+        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=group.mask, scale=scale)
         return out.reshape(num_decodes, num_heads, head_dim)
 
     @staticmethod
