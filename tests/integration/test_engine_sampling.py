@@ -1,0 +1,85 @@
+"""Sampling and streaming on the real default model, through the engine's public API."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams, default_model_path
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return default_model_path()
+
+
+def generate_all(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> dict[str, list[int]]:
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    return tokens
+
+
+def test_same_seed_same_tokens_whatever_the_batch_and_preemption(model_path):
+    seeded = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = generate_all(LLMEngine(EngineConfig(model=model_path, num_kv_blocks=256)),
+                         {"s": ("Seeded sampling is", seeded)})["s"]
+    # Same request in a crowded batch on a cache small enough to preempt.
+    engine = LLMEngine(EngineConfig(model=model_path, num_kv_blocks=24, max_num_batched_tokens=64))
+    noise = {f"n{i}": (f"noise request number {i} " * (i + 1), SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True))
+             for i in range(6)}
+    crowded = generate_all(engine, {"s": ("Seeded sampling is", seeded), **noise})
+    assert engine.stats()["num_preemptions"] > 0
+    assert crowded["s"] == alone
+    other_seed = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, top_k=50, seed=4321, ignore_eos=True)
+    different = generate_all(LLMEngine(EngineConfig(model=model_path, num_kv_blocks=256)),
+                             {"s": ("Seeded sampling is", other_seed)})["s"]
+    assert different != alone, "another seed draws other tokens"
+
+
+def test_top_k_one_is_greedy(model_path):
+    engine = LLMEngine(EngineConfig(model=model_path, num_kv_blocks=256))
+    out = generate_all(engine, {
+        "greedy": ("Top k of one", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)),
+        "k1": ("Top k of one", SamplingParams(max_tokens=20, temperature=1.5, top_k=1, ignore_eos=True)),
+    })
+    assert out["greedy"] == out["k1"]
+
+
+def test_async_engine_streams_and_cancel_frees_blocks(model_path):
+    engine = AsyncLLMEngine(EngineConfig(model=model_path, num_kv_blocks=256))
+
+    async def main():
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        texts = await asyncio.gather(*(_text(engine, f"prompt {i}:", params) for i in range(4)))
+        assert all(n == 24 for _, n in texts)
+        async for out in engine.generate("a long one", SamplingParams(max_tokens=500, ignore_eos=True)):
+            if out.num_output_tokens >= 3:
+                break
+        for _ in range(200):
+            stats = await engine.stats()
+            if stats["num_running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert stats["num_running"] == 0 and stats["requests_finished"]["abort"] == 1
+        assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+async def _text(engine: AsyncLLMEngine, prompt: str, params: SamplingParams) -> tuple[str, int]:
+    text, count = "", 0
+    async for out in engine.generate(prompt, params):
+        text += out.text_delta
+        count = out.num_output_tokens
+    assert "\ufffd" not in text
+    return text, count
