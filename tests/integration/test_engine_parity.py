@@ -127,5 +127,4 @@ def test_text_prompt_and_streamed_text(model_path):
         for out in engine.step():
             text += out.text_delta
             ids += out.new_token_ids
-    assert "\ufffd" not in text
     assert text == tokenizer.decode(ids, skip_special_tokens=True)
