@@ -148,7 +148,9 @@ class Runners:
 
     def run(self, system: str, workload: list[BenchRequest], pad_id: int) -> list[RequestRecord]:
         if system in ("continuous", "static"):
-            return run_engine(self._engine(system), workload, greedy_params)
+            engine = self._engine(system)
+            engine.reset_prefix_cache()  # each round starts cold: its prompts were seen before
+            return run_engine(engine, workload, greedy_params)
         if system == "hf_generate":
             return hf.run_hf_generate(self._hf_model(), workload, self.args.hf_batch_size, pad_id)
         return hf.run_hf_continuous(self._hf_model(), workload, self.hf_cb_options())

@@ -111,6 +111,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (benchmarks replaying a workload start cold). Only while no
+        request is live; returns False, changing nothing, otherwise."""
+        if self.scheduler.has_unfinished():
+            return False
+        self.scheduler.kv.pool.reset_prefix_cache()
+        return True
+
     # ---- one step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -211,21 +211,28 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale) -> torch.Tensor:
-        query = q[chunk.token_start:chunk.token_end].transpose(0, 1)  # (num_heads, query_len, head_dim)
+        num_heads, head_dim = q.shape[1:]
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        query_len = chunk.token_end - chunk.token_start
         if chunk.context_block_ids is None:
-            keys = k[chunk.token_start:chunk.token_end].transpose(0, 1)
-            values = v[chunk.token_start:chunk.token_end].transpose(0, 1)
-            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+            keys = k[chunk.token_start:chunk.token_end]  # (context_len, num_kv_heads, head_dim)
+            values = v[chunk.token_start:chunk.token_end]
         else:
-            num_kv_heads, head_dim = k_cache.shape[-2:]
-            # (num_kv_heads, context_len, head_dim)
-            keys = k_cache.index_select(0, chunk.context_block_ids).view(-1, num_kv_heads, head_dim)
-            values = v_cache.index_select(0, chunk.context_block_ids).view(-1, num_kv_heads, head_dim)
-            keys = keys[: chunk.context_len].transpose(0, 1)
-            values = values[: chunk.context_len].transpose(0, 1)
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask, scale=scale,
-                                                 enable_gqa=True)
-        return out.transpose(0, 1)
+            keys = k_cache.index_select(0, chunk.context_block_ids).view(-1, num_kv_heads, head_dim)[:chunk.context_len]
+            values = v_cache.index_select(0, chunk.context_block_ids).view(-1, num_kv_heads, head_dim)[:chunk.context_len]
+        # GQA as a (num_kv_heads, group) batch with K/V expanded along group as a stride-0 view:
+        # CPU SDPA then takes its flash kernel, about twice as fast as enable_gqa's math path.
+        # Query head h uses kv head h // group, as transformers' repeat_kv does.
+        query = q[chunk.token_start:chunk.token_end].view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        shape = (num_kv_heads, group, chunk.context_len, head_dim)
+        keys = keys.transpose(0, 1).unsqueeze(1).expand(shape)
+        values = values.transpose(0, 1).unsqueeze(1).expand(shape)
+        if chunk.mask is None:
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
+        else:
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask, scale=scale)
+        return out.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -296,3 +297,15 @@ def test_flash_attn_backend_logic_matches_torch_backend(default_model_dir, promp
     for batch in steps:
         torch.testing.assert_close(flash_runner.compute_logits(batch, all_tokens=True),
                                    torch_runner.compute_logits(batch, all_tokens=True), atol=ATOL, rtol=0)
+
+
+def test_decode_groups_cut_padding_and_keep_every_row():
+    from model_worker.runner.attention import split_decode_groups
+
+    blocks = np.array(sorted([1] * 30 + [2] * 10 + [20] * 20 + [48] * 4))
+    groups = split_decode_groups(blocks)
+    assert groups[0][0] == 0 and groups[-1][1] == len(blocks)
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:])), "contiguous, no row lost"
+    padded = sum((end - start) * blocks[end - 1] for start, end in groups)
+    assert padded < 0.5 * len(blocks) * blocks[-1]
+    assert split_decode_groups(np.array([5] * 64)) == [(0, 64)], "equal lengths need no split"

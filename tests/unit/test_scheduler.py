@@ -266,3 +266,18 @@ def test_timings_and_stats(make_engine):
     assert stats["ttft_p50_s"] == pytest.approx(0.5)
     assert stats["requests_finished"]["length"] == 1
     assert len(stats["cached_block_hashes"]) == stats["num_cached_kv_blocks"] > 0
+
+
+def test_reset_prefix_cache_makes_a_replay_start_cold(make_engine):
+    engine = make_engine()
+    engine.add_request("a", prompt(40, 1), greedy(2))
+    engine.add_request("b", prompt(40, 2), greedy(200))
+    while "a" in engine.scheduler.requests:
+        engine.step()
+    assert not engine.reset_prefix_cache(), "refused while a request is live"
+    run_to_completion(engine)
+    assert engine.reset_prefix_cache()
+    engine.add_request("c", prompt(40, 1), greedy(2))
+    result = run_to_completion(engine)
+    assert engine.stats()["prefix_cache_hit_tokens"] == 0
+    assert result["tokens"]["c"] == reference_tokens(prompt(40, 1), 2)
