@@ -5,8 +5,9 @@ All times are seconds on one clock, with 0 at the start of the run (the first ar
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from model_worker.stats import percentile as engine_percentile
 
 
 @dataclass(slots=True)
@@ -55,16 +56,10 @@ class RunSummary:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """q-th percentile (0..100) by linear interpolation between order statistics, as numpy's default."""
+    """q-th percentile (0..100) by linear interpolation, as numpy's default; the engine's own."""
     if not values:
         raise ValueError("percentile of no values")
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q!r}")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return engine_percentile(values, q)
 
 
 def useful_tokens_per_s(records: list[RequestRecord], wall_s: float) -> float:

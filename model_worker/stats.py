@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """q-th percentile (0..100) by linear interpolation between closest ranks, as numpy's default."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q!r}")
     if not values:
         return None
     ordered = sorted(values)
