@@ -154,12 +154,17 @@ class AsyncLLMEngine:
                 self._dispatch(self.engine.step())
         except BaseException as exc:  # the loop must never die silently
             self._error = exc
-            with self._streams_lock:
-                streams = list(self._streams.items())
-            for request_id, _ in streams:
-                self._deliver_error(request_id, EngineDeadError(f"engine step failed: {exc!r}"))
+            self._fail_open_streams(EngineDeadError(f"engine step failed: {exc!r}"))
         finally:
             self._apply_commands()
+            self._fail_open_streams(EngineDeadError("the engine was shut down"))
+
+    def _fail_open_streams(self, error: EngineDeadError) -> None:
+        """No stream may wait forever on an engine that stopped."""
+        with self._streams_lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._deliver_error(request_id, error)
 
     def _apply_commands(self) -> None:
         while self._commands:

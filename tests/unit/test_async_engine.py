@@ -126,3 +126,21 @@ def test_text_streams_and_stop_string_ends_request():
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_shutdown_ends_open_streams_with_an_error():
+    from model_worker import EngineDeadError
+
+    engine = make_async()
+
+    async def main():
+        stream = engine.generate([5, 6], greedy(900))
+        await stream.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await collect(engine, [5, 6], greedy(2))
+
+    asyncio.run(main())
