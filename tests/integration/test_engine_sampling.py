@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams, default_model_path
+from tests.unit.fakes import stats_once_aborted
 
 pytestmark = pytest.mark.integration
 
@@ -62,11 +63,7 @@ def test_async_engine_streams_and_cancel_frees_blocks(model_path):
         async for out in engine.generate("a long one", SamplingParams(max_tokens=500, ignore_eos=True)):
             if out.num_output_tokens >= 3:
                 break
-        for _ in range(200):
-            stats = await engine.stats()
-            if stats["num_running"] == 0:
-                break
-            await asyncio.sleep(0.01)
+        stats = await stats_once_aborted(engine)
         assert stats["num_running"] == 0 and stats["requests_finished"]["abort"] == 1
         assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
 

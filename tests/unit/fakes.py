@@ -3,6 +3,7 @@ tokenizer and a clock. The scheduler, block pool and engine under test are the r
 
 from __future__ import annotations
 
+import asyncio
 import time
 from hashlib import blake2b
 
@@ -88,3 +89,14 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now_s += seconds
+
+
+async def stats_once_aborted(engine, attempts: int = 200, interval_s: float = 0.01) -> dict:
+    """AsyncLLMEngine stats once an abort has landed and nothing runs or waits (bounded wait:
+    the abort is applied by the engine thread between steps)."""
+    for _ in range(attempts):
+        stats = await engine.stats()
+        if stats["requests_finished"]["abort"] and stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            break
+        await asyncio.sleep(interval_s)
+    return stats

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, RequestRejected, SamplingParams
-from tests.unit.fakes import ByteTokenizer, FakeKVRunner, reference_tokens
+from tests.unit.fakes import ByteTokenizer, FakeKVRunner, reference_tokens, stats_once_aborted
 
 
 def make_async(num_kv_blocks=512, block_size=4, vocab_size=1000, tokenizer=None, step_delay_s=0.001, **config):
@@ -54,11 +54,7 @@ def test_leaving_the_stream_early_aborts_and_frees_blocks():
             seen += 1
             if seen == 3:
                 break
-        for _ in range(100):
-            stats = await engine.stats()
-            if stats["num_running"] == 0 and stats["num_waiting"] == 0:
-                break
-            await asyncio.sleep(0.01)
+        stats = await stats_once_aborted(engine)
         assert stats["num_running"] == 0 and stats["requests_finished"]["abort"] == 1
         assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
 
@@ -77,11 +73,7 @@ def test_cancelled_task_aborts_request():
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            stats = await engine.stats()
-            if stats["requests_finished"]["abort"]:
-                break
-            await asyncio.sleep(0.01)
+        stats = await stats_once_aborted(engine)
         assert stats["requests_finished"]["abort"] == 1 and stats["num_running"] == 0
 
     try:
