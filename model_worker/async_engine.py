@@ -27,12 +27,45 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error; every request after that fails with this."""
 
 
-class _Stream:
-    __slots__ = ("loop", "queue")
+class RequestStream:
+    """The outputs of one queued request, in order. Closing it before the finished output aborts
+    the request in the engine (at the next step boundary) and frees its KV blocks."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    __slots__ = ("request_id", "loop", "queue", "finished", "_owner")
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: "AsyncLLMEngine") -> None:
+        self.request_id = request_id
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+        self._owner = owner
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self.queue.get()
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            self._owner._forget(self.request_id)
+            raise item
+        if item.finished:
+            self.finished = True
+            self._owner._forget(self.request_id)
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it already finished; safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            self._owner._forget(self.request_id)
+            self._owner._submit(lambda: self._owner.engine.abort(self.request_id))
 
 
 class AsyncLLMEngine:
@@ -41,7 +74,7 @@ class AsyncLLMEngine:
         self.engine = engine if engine is not None else LLMEngine(config, **engine_kwargs)
         self._commands: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
         self._stopped = False
         self._error: BaseException | None = None
@@ -58,37 +91,22 @@ class AsyncLLMEngine:
 
     # ---- public API (event loop side) --------------------------------------------------------
 
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                       request_id: str | None = None, priority: Priority | str | int = Priority.INTERACTIVE,
-                       cache_key: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Leaving the loop early (break, cancel) aborts it."""
-        request_id = request_id or uuid.uuid4().hex
-        params = params if params is not None else SamplingParams()
-        stream = self._open(request_id, prompt, params, priority)
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            with self._streams_lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self._submit(lambda: self.engine.abort(request_id))
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: Priority | str | int = Priority.INTERACTIVE,
+                    cache_key: str | None = None) -> RequestStream:
+        """Validate and queue a request; iterate the returned stream for its outputs.
 
-    def _open(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-              priority: Priority | str | int) -> _Stream:
+        Everything that can fail for a bad request (tokenizing, token ids, length, priority,
+        a duplicate id) raises here, before anything is queued. Call from the event loop.
+        """
         if self._error is not None or self._stopped:
             raise EngineDeadError("the engine is not running") from self._error
+        request_id = request_id or uuid.uuid4().hex
+        params = params if params is not None else SamplingParams()
         token_ids = self.engine.tokenize(prompt)
         self.engine.scheduler.check_fits(len(token_ids), params.max_tokens)
         priority = Priority.parse(priority)
-        stream = _Stream(asyncio.get_running_loop())
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self)
         with self._streams_lock:
             if request_id in self._streams:
                 raise RequestRejected(f"request id {request_id!r} is already in use",
@@ -98,12 +116,28 @@ class AsyncLLMEngine:
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, token_ids, params, priority, arrival_time=arrival_s)
+                self.engine.add_request(request_id, token_ids, params, priority, arrival_time=arrival_s,
+                                        cache_key=cache_key)
             except Exception as exc:  # a rejection here is delivered to the stream, not the loop
                 self._deliver_error(request_id, exc)
 
         self._submit(add)
         return stream
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                       request_id: str | None = None, priority: Priority | str | int = Priority.INTERACTIVE,
+                       cache_key: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Leaving the loop early (break, cancel) aborts it."""
+        stream = self.add_request(prompt, params, request_id=request_id, priority=priority, cache_key=cache_key)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def _forget(self, request_id: str) -> None:
+        with self._streams_lock:
+            self._streams.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         self._submit(lambda: self.engine.abort(request_id))
@@ -171,7 +205,7 @@ class AsyncLLMEngine:
             self._commands.popleft()()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         with self._streams_lock:
             for out in outputs:
                 stream = self._streams.get(out.request_id)
@@ -195,7 +229,7 @@ class AsyncLLMEngine:
                 pass
 
 
-def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
     for stream, out in items:
         stream.queue.put_nowait(out)
 

@@ -1,0 +1,205 @@
+"""The Ray Serve application: `OpenAIIngress` (HTTP and handle API) -> `LLMServer` replicas.
+
+    serve run deployments.app:build_app                          # embedded default model
+    serve deploy deployments/serve_config.yaml                   # a config, on a cluster
+
+The ingress calls LLMServer through a DeploymentHandle with one GenerateRequest (token ids, block
+hashes, priority), so a request router on LLMServer sees real request objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from deployments.errors import APIError, internal, not_ready, overloaded
+from deployments.frontend import OpenAIFrontend
+from deployments.llm_server import AdmissionConfig, LLMServer
+from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo
+
+LLM_SERVER = "LLMServer"
+INGRESS = "OpenAIIngress"
+# Replies from every replica (health, metrics) are awaited at most this long.
+BROADCAST_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True)
+class AppArgs:
+    """What `build_app` takes (the `args:` of a Serve config). Validated here, once."""
+
+    # A checkpoint directory or Hugging Face hub id; None is the embedded default model.
+    model: str | None = None
+    # The name clients send as `model`; defaults to `model`, or "iterserve-default".
+    served_model_name: str | None = None
+    # EngineConfig fields (max_num_seqs, device, dtype, ...), passed to every LLMServer replica.
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    num_replicas: int = 1
+    ingress_replicas: int = 1
+    # Without `Authorization: Bearer <api_key>` every endpoint but /health answers 401.
+    api_key: str | None = None
+    # AdmissionConfig fields: when a replica refuses work with 429.
+    admission: dict[str, Any] = field(default_factory=dict)
+    # Ray resources per replica. num_cpus 0 lets small machines run several replicas; a GPU
+    # deployment sets {"num_gpus": 1}.
+    llm_server_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
+    ingress_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
+    # Concurrent requests one LLMServer replica accepts from Serve. Continuous batching wants many:
+    # the engine's own admission (KV blocks, max_num_seqs, the waiting limit) does the gating.
+    max_ongoing_requests: int = 1024
+    # Requests queued in the callers' routers beyond that; -1 is unbounded. Over it: 429.
+    max_queued_requests: int = -1
+
+    def __post_init__(self) -> None:
+        for name in ("num_replicas", "ingress_replicas", "max_ongoing_requests"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.max_queued_requests, int) or not (self.max_queued_requests == -1
+                                                                 or self.max_queued_requests >= 1):
+            raise ValueError(f"max_queued_requests must be -1 or >= 1, got {self.max_queued_requests!r}")
+        for name in ("engine_args", "admission", "llm_server_actor_options", "ingress_actor_options"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
+        AdmissionConfig(**self.admission)
+
+    @classmethod
+    def parse(cls, args: dict[str, Any] | None) -> "AppArgs":
+        args = dict(args or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ValueError(f"unknown application args {unknown}; known: {sorted(known)}")
+        return cls(**args)
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    """The application for `serve run` / `serve deploy` (import path deployments.app:build_app)."""
+    app_args = AppArgs.parse(args)
+    server = serve.deployment(LLMServerDeployment).options(
+        name=LLM_SERVER,
+        num_replicas=app_args.num_replicas,
+        ray_actor_options=app_args.llm_server_actor_options,
+        max_ongoing_requests=app_args.max_ongoing_requests,
+        max_queued_requests=app_args.max_queued_requests,
+    ).bind(app_args.model, app_args.engine_args, app_args.served_model_name, app_args.admission)
+    ingress = OpenAIIngress.options(
+        num_replicas=app_args.ingress_replicas,
+        ray_actor_options=app_args.ingress_actor_options,
+        max_ongoing_requests=max(1024, app_args.max_ongoing_requests * app_args.num_replicas),
+    )
+    return ingress.bind(server, app_args.model, app_args.engine_args.get("tokenizer"), app_args.api_key)
+
+
+class LLMServerDeployment(LLMServer):
+    """LLMServer as a Serve replica: the replica id names it in metrics and routing stats."""
+
+    def __init__(self, model: str | None, engine_args: dict[str, Any], served_model_name: str | None,
+                 admission: dict[str, Any]) -> None:
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        super().__init__(model, engine_args, served_model_name=served_model_name, admission=admission,
+                         replica_id=replica_id)
+
+
+class HandleBackend:
+    """The OpenAI service's Backend over a DeploymentHandle to LLMServer; Ray and Serve failures
+    become APIErrors (503 when no replica can take the call, 429 under back pressure)."""
+
+    def __init__(self, handle: DeploymentHandle, app_name: str) -> None:
+        self.handle = handle
+        self.app_name = app_name
+
+    async def model_info(self) -> ModelInfo:
+        return await _call(self.handle.model_info.remote())
+
+    async def generate(self, request: GenerateRequest) -> GenerationChunk:
+        return await _call(self.handle.generate.remote(request))
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
+        responses = self.handle.options(stream=True).generate_stream.remote(request)
+        finished = False
+        try:
+            async for chunk in responses:
+                finished = chunk.finished
+                yield chunk
+        except BaseException as exc:
+            raise _api_error(exc) from None
+        finally:
+            if not finished:  # the caller left early: the replica aborts the request
+                responses.cancel()
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        states = await self.replica_states()
+        replies = await self.handle.broadcast("ready").results_async(timeout_s=BROADCAST_TIMEOUT_S,
+                                                                     return_exceptions=True)
+        ready = sum(1 for r in replies if isinstance(r, dict) and r.get("model_loaded") and r.get("engine_running"))
+        running = states.get("RUNNING", 0)
+        # Every replica Serve counts must be running and must have said it is ready.
+        healthy = running > 0 and sum(states.values()) == running and ready >= running
+        return healthy, {"replicas": states, "ready_replicas": ready}
+
+    async def metrics_snapshots(self) -> list[dict[str, Any]]:
+        replies = await self.handle.broadcast("metrics_snapshot").results_async(timeout_s=BROADCAST_TIMEOUT_S,
+                                                                                return_exceptions=True)
+        return [r for r in replies if isinstance(r, dict)]
+
+    async def replica_states(self) -> dict[str, int]:
+        status = await asyncio.to_thread(serve.status)
+        app = status.applications.get(self.app_name)
+        deployment = app.deployments.get(LLM_SERVER) if app is not None else None
+        if deployment is None:
+            return {}
+        return {str(getattr(state, "value", state)): n for state, n in deployment.replica_states.items() if n}
+
+
+@serve.deployment(name=INGRESS)
+@serve.ingress()
+class OpenAIIngress(OpenAIFrontend):
+    def __init__(self, llm_server: DeploymentHandle, model: str | None, tokenizer: str | None,
+                 api_key: str | None) -> None:
+        context = serve.get_replica_context()
+        source = tokenizer or model
+        super().__init__(HandleBackend(llm_server, context.app_name), lambda: _load_tokenizer(source),
+                         api_key=api_key, ingress_id=context.replica_id.unique_id)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.asgi_app()
+
+
+async def _call(response: Any) -> Any:
+    try:
+        return await response
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
+    except BaseException as exc:
+        raise _api_error(exc) from None
+
+
+def _api_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, (APIError, asyncio.CancelledError, GeneratorExit, KeyboardInterrupt)):
+        return exc
+    if isinstance(exc, BackPressureError):
+        return overloaded("every model replica's queue is full; retry shortly", 1.0)
+    if isinstance(exc, (DeploymentUnavailableError, ReplicaUnavailableError, RayActorError)):
+        return not_ready(f"the model replica is unavailable ({type(exc).__name__}); retry shortly")
+    if isinstance(exc, RayTaskError):
+        return internal(f"the model replica failed: {exc.cause!r}" if exc.cause else str(exc))
+    return internal(f"{type(exc).__name__}: {exc}")
+
+
+def _load_tokenizer(source: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    if source is None:
+        from model_worker.default_model import default_model_path
+        source = default_model_path()
+    from model_worker.runner.loader import resolve_model_path
+    return AutoTokenizer.from_pretrained(resolve_model_path(source))

@@ -1,0 +1,216 @@
+"""OpenAIFrontend: the HTTP routes (Starlette) and the Python handle methods of the ingress.
+
+A plain class over a Backend: `deployments.app.OpenAIIngress` is this class as a Serve ingress,
+tests drive it with Starlette's test client. The OpenAIService behind it is built on first use,
+once a replica has told us the model's limits; until then every model endpoint answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from deployments.errors import APIError, internal, invalid, not_ready
+from deployments.openai_service import Backend, OpenAIService
+
+# A request body larger than this is refused (413) before it is read whole: 256k tokens of text
+# with JSON overhead fit comfortably.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+# How long the first request waits for a replica to describe its model before a 503.
+MODEL_INFO_TIMEOUT_S = 5.0
+
+
+class OpenAIFrontend:
+    def __init__(self, backend: Backend, load_tokenizer: Callable[[], Any], *, api_key: str | None = None,
+                 ingress_id: str = "ingress", model_info_timeout_s: float = MODEL_INFO_TIMEOUT_S) -> None:
+        if api_key is not None and (not isinstance(api_key, str) or not api_key):
+            raise ValueError("api_key must be a non-empty string or None")
+        self.backend = backend
+        self._load_tokenizer = load_tokenizer
+        self._api_key = api_key
+        self._ingress_id = ingress_id
+        self._model_info_timeout_s = model_info_timeout_s
+        self._service: OpenAIService | None = None
+        self._service_lock = asyncio.Lock()
+
+    async def service(self) -> OpenAIService:
+        if self._service is not None:
+            return self._service
+        async with self._service_lock:
+            if self._service is None:
+                try:
+                    info = await asyncio.wait_for(self.backend.model_info(), self._model_info_timeout_s)
+                except (asyncio.TimeoutError, TimeoutError):
+                    raise not_ready("no model replica is ready yet; retry shortly") from None
+                tokenizer = await asyncio.to_thread(self._load_tokenizer)
+                self._service = OpenAIService(self.backend, tokenizer, info, self._ingress_id)
+        return self._service
+
+    # ---- Python handle API (serve.get_app_handle(...).method.remote(body)) ---------------------
+
+    async def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A /v1/completions body as a dict; returns the response dict or raises APIError."""
+        return await self._unary("completion", body)
+
+    async def chat_completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._unary("chat", body)
+
+    async def completions_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Yields the same chunk dicts that the HTTP stream sends (use handle.options(stream=True))."""
+        async for chunk in self._stream("completion", body):
+            yield chunk
+
+    async def chat_completions_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        async for chunk in self._stream("chat", body):
+            yield chunk
+
+    async def models(self) -> dict[str, Any]:
+        return (await self.service()).models()
+
+    async def _unary(self, kind: str, body: Any) -> dict[str, Any]:
+        if isinstance(body, dict) and body.get("stream"):
+            raise invalid("stream", "use the *_stream method for streaming over a handle")
+        result = await (await self.service()).create(kind, body)
+        assert isinstance(result, dict)
+        return result
+
+    async def _stream(self, kind: str, body: Any) -> AsyncIterator[dict[str, Any]]:
+        if not isinstance(body, dict):
+            raise invalid(None, "the request body must be a JSON object")
+        events = await (await self.service()).create(kind, {**body, "stream": True})
+        assert not isinstance(events, dict)
+        try:
+            async for chunk in events:
+                yield chunk
+        finally:
+            await events.aclose()
+
+    # ---- HTTP ---------------------------------------------------------------------------------
+
+    def asgi_app(self) -> Starlette:
+        routes = [
+            Route("/v1/completions", self._http_completions, methods=["POST"]),
+            Route("/v1/chat/completions", self._http_chat, methods=["POST"]),
+            Route("/v1/models", self._http_models, methods=["GET"]),
+            Route("/health", self._http_health, methods=["GET"]),
+            Route("/metrics", self._http_metrics, methods=["GET"]),
+        ]
+        return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
+
+    async def _http_completions(self, request: Request) -> Response:
+        return await self._http_generate(request, "completion", "/v1/completions")
+
+    async def _http_chat(self, request: Request) -> Response:
+        return await self._http_generate(request, "chat", "/v1/chat/completions")
+
+    async def _http_generate(self, request: Request, kind: str, endpoint: str) -> Response:
+        async def respond() -> Response:
+            body = await _json_body(request)
+            result = await (await self.service()).create(kind, body)
+            if isinstance(result, dict):
+                return JSONResponse(result)
+            return StreamingResponse(_sse(result), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._guarded(request, endpoint, respond)
+
+    async def _http_models(self, request: Request) -> Response:
+        async def respond() -> Response:
+            return JSONResponse((await self.service()).models())
+        return await self._guarded(request, "/v1/models", respond)
+
+    async def _http_metrics(self, request: Request) -> Response:
+        async def respond() -> Response:
+            text = await (await self.service()).metrics_text()
+            return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return await self._guarded(request, "/metrics", respond)
+
+    async def _http_health(self, request: Request) -> Response:
+        """200 only when every replica has its model loaded (no auth: load balancers probe it)."""
+        try:
+            healthy, detail = await self.backend.health()
+        except Exception as exc:
+            healthy, detail = False, {"error": f"{type(exc).__name__}: {exc}"}
+        return JSONResponse({"status": "ok" if healthy else "unavailable", **detail},
+                            status_code=200 if healthy else 503)
+
+    async def _guarded(self, request: Request, endpoint: str, respond: Callable[[], Awaitable[Response]]) -> Response:
+        """Auth, then the handler; every failure becomes an OpenAI-style JSON error."""
+        try:
+            self._authorize(request)
+            response = await respond()
+        except APIError as exc:
+            response = error_response(exc)
+        except ClientDisconnect:
+            response = Response(status_code=499)
+        except Exception as exc:  # a bug must still answer in the API's shape, and never kill the replica
+            response = error_response(internal(f"{type(exc).__name__}: {exc}"))
+        if self._service is not None:
+            self._service.record_response(endpoint, response.status_code)
+        return response
+
+    def _authorize(self, request: Request) -> None:
+        if self._api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+            raise APIError("invalid or missing API key: send Authorization: Bearer <key>", 401,
+                           "authentication_error", None, "invalid_api_key")
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    headers = {}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, int(-(-exc.retry_after_s // 1))))
+    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else "http_error"
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return error_response(APIError(message, exc.status_code, "invalid_request_error", None, kind))
+
+
+async def _json_body(request: Request) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(f"the request body is larger than {MAX_BODY_BYTES} bytes", 413, "invalid_request_error",
+                       None, "request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(f"the request body is larger than {MAX_BODY_BYTES} bytes", 413,
+                           "invalid_request_error", None, "request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise invalid(None, f"the request body is not valid JSON: {exc}") from None
+
+
+async def _sse(events: Any) -> AsyncIterator[str]:
+    """One `data:` line per chunk, then `data: [DONE]`. An error after the 200 went out becomes an
+    error event; the client hanging up closes `events`, which cancels the requests."""
+    try:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        except APIError as exc:
+            yield f"data: {json.dumps(exc.to_dict())}\n\n"
+        except Exception as exc:
+            yield f"data: {json.dumps(internal(f'{type(exc).__name__}: {exc}').to_dict())}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        await events.aclose()

@@ -1,0 +1,270 @@
+"""LLMServer: one AsyncLLMEngine per replica, behind the methods the ingress and handles call.
+
+A plain class: `deployments.app` makes it a Serve deployment, tests build it directly over a fake
+model runner. Its methods convert between the wire types (GenerateRequest, GenerationChunk,
+APIError) and the engine's, keep per-replica latency histograms, and shed load: a replica refuses
+new work with a 429 once too many admitted requests are still waiting for their first token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from deployments.errors import APIError, internal, invalid, not_ready, overloaded
+from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, TTFT_BUCKETS_S, Histogram,
+                                 family_dict)
+from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo
+from model_worker.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from model_worker.config import EngineConfig
+from model_worker.outputs import RequestOutput
+from model_worker.sampling_params import SamplingParams, SamplingParamsError
+from model_worker.scheduler import RequestRejected
+
+PRIORITIES = ("interactive", "batch")
+
+
+@dataclass(slots=True)
+class AdmissionConfig:
+    # Requests admitted but still without a first token, at or above which new ones get a 429.
+    # 256 is about two full batches at the default max_num_seqs of 128: past that a new request
+    # would wait longer than it takes a client to retry elsewhere.
+    max_waiting_requests: int = 256
+    # Batch-priority requests are refused from this fraction of the limit on, so that interactive
+    # traffic keeps the rest of the queue: batch traffic is shed first.
+    batch_shed_fraction: float = 0.5
+    # The Retry-After a refused request is given, in seconds.
+    retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be an integer >= 1, got {self.max_waiting_requests!r}")
+        if not 0.0 < self.batch_shed_fraction <= 1.0:
+            raise ValueError(f"batch_shed_fraction must be in (0, 1], got {self.batch_shed_fraction!r}")
+        if not self.retry_after_s > 0:
+            raise ValueError(f"retry_after_s must be > 0, got {self.retry_after_s!r}")
+
+    def limit(self, priority: str) -> int:
+        if priority == "batch":
+            return max(1, int(self.max_waiting_requests * self.batch_shed_fraction))
+        return self.max_waiting_requests
+
+
+class LLMServer:
+    def __init__(self, model: str | None = None, engine_args: dict[str, Any] | None = None, *,
+                 served_model_name: str | None = None, admission: dict[str, Any] | AdmissionConfig | None = None,
+                 engine: AsyncLLMEngine | None = None, replica_id: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if engine is None:
+            engine = AsyncLLMEngine(_engine_config(model, engine_args))
+        self.engine = engine
+        self.admission = admission if isinstance(admission, AdmissionConfig) else AdmissionConfig(**(admission or {}))
+        self.replica_id = replica_id or uuid.uuid4().hex[:8]
+        self.clock = clock
+        scheduler = engine.engine.scheduler.config
+        self.info = ModelInfo(
+            served_model_name=served_model_name or model or "iterserve-default",
+            # A request must fit both the model's positions and the whole KV cache.
+            max_model_len=min(scheduler.max_model_len, scheduler.num_kv_blocks * scheduler.block_size),
+            block_size=scheduler.block_size,
+            vocab_size=engine.engine.vocab_size,
+            eos_token_ids=list(engine.engine.scheduler.eos_token_ids),
+            created=int(time.time()),
+        )
+        # Admitted requests that have not produced a first token yet, by priority.
+        self.num_waiting = dict.fromkeys(PRIORITIES, 0)
+        self.num_shed = dict.fromkeys(PRIORITIES, 0)
+        self.ttft_s = Histogram(TTFT_BUCKETS_S)
+        self.itl_s = Histogram(ITL_BUCKETS_S)
+        self.e2e_s = Histogram(E2E_BUCKETS_S)
+        self.queue_s = Histogram(QUEUE_BUCKETS_S)
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream a request. The first chunk (no tokens) confirms admission: every error a request
+        can cause is raised before it, as an APIError. Closing the stream early aborts the request."""
+        stream = self._admit(request)
+        waiting = True
+        self.num_waiting[request.priority] += 1
+        try:
+            yield GenerationChunk(request.request_id, num_prompt_tokens=len(request.prompt_token_ids))
+            async for out in _outputs(stream):
+                if waiting and out.new_token_ids:
+                    waiting = False
+                    self.num_waiting[request.priority] -= 1
+                if out.finished:
+                    self._observe(out)
+                yield _chunk(out)
+        finally:
+            stream.close()
+            if waiting:
+                self.num_waiting[request.priority] -= 1
+
+    async def generate(self, request: GenerateRequest) -> GenerationChunk:
+        """Run a request to the end and return it as one finished chunk."""
+        whole = GenerationChunk(request.request_id)
+        async for chunk in self.generate_stream(request):
+            whole.text += chunk.text
+            whole.token_ids.extend(chunk.token_ids)
+            whole.finished = chunk.finished
+            whole.finish_reason = chunk.finish_reason
+            whole.stop_reason = chunk.stop_reason
+            whole.num_prompt_tokens = chunk.num_prompt_tokens
+            whole.num_output_tokens = chunk.num_output_tokens
+            whole.num_cached_tokens = chunk.num_cached_tokens
+            whole.metrics = chunk.metrics
+        return whole
+
+    def _admit(self, request: GenerateRequest) -> RequestStream:
+        if not isinstance(request, GenerateRequest):
+            raise invalid(None, f"expected a GenerateRequest, got {type(request).__name__}")
+        if not isinstance(request.params, SamplingParams):
+            raise invalid(None, "params must be a SamplingParams")
+        waiting = sum(self.num_waiting.values())
+        if waiting >= self.admission.limit(request.priority):
+            self.num_shed[request.priority] += 1
+            raise overloaded(f"replica {self.replica_id} is overloaded ({waiting} requests waiting for a first "
+                             f"token); {request.priority} requests are refused until the queue drains",
+                             self.admission.retry_after_s)
+        try:
+            return self.engine.add_request(request.prompt_token_ids, request.params, request_id=request.request_id,
+                                           priority=request.priority, cache_key=request.cache_key)
+        except RequestRejected as exc:
+            raise invalid(exc.param, str(exc), exc.code) from None
+        except SamplingParamsError as exc:
+            raise invalid(exc.param, str(exc)) from None
+        except EngineDeadError as exc:
+            raise not_ready(f"the engine on replica {self.replica_id} is not running: {exc}") from None
+        except ValueError as exc:
+            raise invalid(None, str(exc)) from None
+
+    def _observe(self, out: RequestOutput) -> None:
+        timings = out.timings
+        if timings is None or out.finish_reason == "abort":
+            return
+        if timings.ttft_s is not None:
+            self.ttft_s.observe(timings.ttft_s)
+        if timings.queue_s is not None:
+            self.queue_s.observe(timings.queue_s)
+        if timings.finished_s is not None:
+            self.e2e_s.observe(timings.finished_s - timings.arrival_s)
+        times = timings.token_times_s
+        for earlier, later in zip(times, times[1:]):
+            self.itl_s.observe(later - earlier)
+
+    # ---- observation (Serve hooks and the ingress) --------------------------------------------
+
+    async def model_info(self) -> ModelInfo:
+        return self.info
+
+    async def check_health(self) -> None:
+        """Serve restarts a replica whose health check raises."""
+        if not self.engine.is_running:
+            raise RuntimeError(f"the engine thread on replica {self.replica_id} has stopped")
+
+    async def ready(self) -> dict[str, Any]:
+        return {"replica": self.replica_id, "model_loaded": True, "engine_running": self.engine.is_running}
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Replica stats for the request router (polled by the Serve controller)."""
+        stats = await self.engine.stats()
+        return {"replica": self.replica_id, **{k: v for k, v in stats.items() if not isinstance(v, dict)}}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Numbers only: Serve drops a replica's custom metrics if any value is not int or float."""
+        stats = await self.engine.stats()
+        numbers = {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        numbers["num_waiting_first_token"] = sum(self.num_waiting.values())
+        numbers["num_shed"] = sum(self.num_shed.values())
+        return numbers
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine._call(self.engine.engine.reset_prefix_cache)
+
+    async def metrics_snapshot(self) -> dict[str, Any]:
+        stats = await self.engine.stats()
+        return {"replica": self.replica_id, "model_name": self.info.served_model_name,
+                "families": _families(self, stats)}
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __del__(self) -> None:
+        engine = self.__dict__.get("engine")
+        if engine is not None:
+            engine.shutdown(timeout_s=1.0)
+
+
+async def _outputs(stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    try:
+        async for out in stream:
+            yield out
+    except EngineDeadError as exc:
+        raise not_ready(f"the engine stopped while serving this request: {exc}") from None
+    except APIError:
+        raise
+    except Exception as exc:
+        raise internal(f"generation failed: {type(exc).__name__}: {exc}") from None
+
+
+def _chunk(out: RequestOutput) -> GenerationChunk:
+    chunk = GenerationChunk(out.request_id, text=out.text_delta, token_ids=list(out.new_token_ids),
+                            finished=out.finished, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                            num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+                            num_cached_tokens=out.num_cached_tokens)
+    timings = out.timings
+    if out.finished and timings is not None:
+        chunk.metrics = {"ttft_s": timings.ttft_s, "queue_s": timings.queue_s,
+                         "e2e_s": None if timings.finished_s is None else timings.finished_s - timings.arrival_s}
+    return chunk
+
+
+def _engine_config(model: str | None, engine_args: dict[str, Any] | None) -> EngineConfig:
+    args = dict(engine_args or {})
+    if "model" in args and model is not None and args["model"] != model:
+        raise ValueError(f"model is given twice: {model!r} and engine_args.model {args['model']!r}")
+    args.setdefault("model", model)
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(args) - fields)
+    if unknown:
+        raise ValueError(f"unknown engine_args {unknown}; known: {sorted(fields)}")
+    return EngineConfig(**args)
+
+
+def _families(server: LLMServer, stats: dict[str, Any]) -> list[dict[str, Any]]:
+    finished = stats["requests_finished"]
+    return [
+        family_dict("iterserve_time_to_first_token_seconds", "histogram",
+                    "Time from arrival at the engine to the first output token.", [({}, server.ttft_s.snapshot())]),
+        family_dict("iterserve_inter_token_latency_seconds", "histogram",
+                    "Time between two consecutive output tokens of a request.", [({}, server.itl_s.snapshot())]),
+        family_dict("iterserve_e2e_request_latency_seconds", "histogram",
+                    "Time from arrival at the engine to the last output token.", [({}, server.e2e_s.snapshot())]),
+        family_dict("iterserve_request_queue_time_seconds", "histogram",
+                    "Time from arrival at the engine to first being scheduled.", [({}, server.queue_s.snapshot())]),
+        family_dict("iterserve_num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
+                    [({}, stats["num_waiting"])]),
+        family_dict("iterserve_num_requests_running", "gauge", "Requests in the running batch.",
+                    [({}, stats["num_running"])]),
+        family_dict("iterserve_kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (0 to 1).",
+                    [({}, stats["kv_usage"])]),
+        family_dict("iterserve_request_success_total", "counter", "Finished requests by finish reason.",
+                    [({"finished_reason": reason}, n) for reason, n in finished.items()]),
+        family_dict("iterserve_prompt_tokens_total", "counter", "Prompt tokens admitted.",
+                    [({}, stats["prompt_tokens_total"])]),
+        family_dict("iterserve_generation_tokens_total", "counter", "Output tokens generated.",
+                    [({}, stats["generation_tokens_total"])]),
+        family_dict("iterserve_prefix_cache_queries_total", "counter",
+                    "Prompt tokens looked up in the prefix cache.", [({}, stats["prefix_cache_query_tokens"])]),
+        family_dict("iterserve_prefix_cache_hits_total", "counter",
+                    "Prompt tokens served from the prefix cache.", [({}, stats["prefix_cache_hit_tokens"])]),
+        family_dict("iterserve_num_preemptions_total", "counter", "Requests preempted for KV blocks.",
+                    [({}, stats["num_preemptions"])]),
+        family_dict("iterserve_requests_shed_total", "counter", "Requests refused with 429 under overload.",
+                    [({"priority": p}, n) for p, n in server.num_shed.items()]),
+    ]

@@ -1,0 +1,68 @@
+"""What the ingress sends to an LLMServer replica and what comes back. Pure Python.
+
+One GenerateRequest carries everything a replica and a request router need: the token ids (the
+ingress tokenizes once), the prompt's chained block hashes (computed with the engine's own
+`hash_prompt_blocks`, so router and cache can never disagree), sampling parameters and priority.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from model_worker.request import Priority
+from model_worker.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    # Chained hashes of the prompt's full blocks, in order (model_worker.hashing.hash_prompt_blocks).
+    block_hashes: list[int] = field(default_factory=list)
+    # "interactive" (default) or "batch"; batch is shed first under overload.
+    priority: str = "interactive"
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Mixed into every block hash: requests with different keys never share KV blocks.
+    cache_key: str | None = None
+
+    def __post_init__(self) -> None:
+        self.priority = Priority.parse(self.priority).name.lower()
+
+
+@dataclass(slots=True)
+class GenerationChunk:
+    """One step's progress of a request; the unary call returns a single finished chunk."""
+
+    request_id: str
+    # Text that became final in this chunk (never half a UTF-8 character, never a stop string).
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    # "stop" or "length" once finished ("abort" only if the engine aborted it).
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended it, if one did.
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    # Prompt tokens served from this replica's prefix cache.
+    num_cached_tokens: int = 0
+    # Set on the finished chunk: ttft_s, e2e_s, queue_s (engine-side seconds).
+    metrics: dict[str, float] | None = None
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the ingress needs to know about the model a replica serves."""
+
+    served_model_name: str
+    max_model_len: int
+    block_size: int
+    vocab_size: int | None
+    eos_token_ids: list[int]
+    # Unix time the replica loaded the model (the OpenAI `created` field).
+    created: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
