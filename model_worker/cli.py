@@ -34,8 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--seed", type=int, default=None)
+    from deployments import serve_cli
+
+    serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
+        if args.command == "serve":
+            return serve_cli.run(args)
         if args.command == "demo":
             return asyncio.run(_demo(args))
         return asyncio.run(_generate(args))

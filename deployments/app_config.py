@@ -1,0 +1,58 @@
+"""AppArgs: the `args:` of the Serve application (deployments/serve_config.yaml). Pure Python."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from deployments.llm_server import AdmissionConfig
+
+
+@dataclass(slots=True)
+class AppArgs:
+    """What `build_app` takes (the `args:` of a Serve config). Validated here, once."""
+
+    # A checkpoint directory or Hugging Face hub id; None is the embedded default model.
+    model: str | None = None
+    # The name clients send as `model`; defaults to `model`, or "iterserve-default".
+    served_model_name: str | None = None
+    # EngineConfig fields (max_num_seqs, device, dtype, ...), passed to every LLMServer replica.
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    num_replicas: int = 1
+    ingress_replicas: int = 1
+    # Without `Authorization: Bearer <api_key>` every endpoint but /health answers 401.
+    api_key: str | None = None
+    # AdmissionConfig fields: when a replica refuses work with 429.
+    admission: dict[str, Any] = field(default_factory=dict)
+    # Ray resources per replica. num_cpus 0 lets small machines run several replicas; a GPU
+    # deployment sets {"num_gpus": 1}.
+    llm_server_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
+    ingress_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
+    # Concurrent requests one LLMServer replica accepts from Serve. Continuous batching wants many:
+    # the engine's own admission (KV blocks, max_num_seqs, the waiting limit) does the gating.
+    max_ongoing_requests: int = 1024
+    # Requests queued in the callers' routers beyond that; -1 is unbounded. Over it: 429.
+    max_queued_requests: int = -1
+
+    def __post_init__(self) -> None:
+        for name in ("num_replicas", "ingress_replicas", "max_ongoing_requests"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.max_queued_requests, int) or not (self.max_queued_requests == -1
+                                                                 or self.max_queued_requests >= 1):
+            raise ValueError(f"max_queued_requests must be -1 or >= 1, got {self.max_queued_requests!r}")
+        for name in ("engine_args", "admission", "llm_server_actor_options", "ingress_actor_options"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
+        AdmissionConfig(**self.admission)
+
+    @classmethod
+    def parse(cls, args: dict[str, Any] | None) -> "AppArgs":
+        args = dict(args or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ValueError(f"unknown application args {unknown}; known: {sorted(known)}")
+        return cls(**args)

@@ -1,0 +1,90 @@
+"""`iterserve serve`: local Ray, the Serve application in the foreground; Ctrl-C stops it all."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+APP_NAME = "iterserve"
+
+
+def add_parser(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible server on a local Ray (foreground)")
+    serve.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the embedded model)")
+    serve.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
+    serve.add_argument("--replicas", type=int, default=1, help="LLMServer replicas (engines)")
+    serve.add_argument("--host", default="127.0.0.1", help="HTTP listen address (0.0.0.0 to expose it)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("ITERSERVE_API_KEY"),
+                       help="require `Authorization: Bearer KEY` (default: $ITERSERVE_API_KEY, else none)")
+    serve.add_argument("--engine-args", default={}, type=_json_object,
+                       help='EngineConfig fields as JSON, e.g. \'{"max_num_seqs": 64, "device": "cuda"}\'')
+    serve.add_argument("--num-gpus-per-replica", type=float, default=0.0)
+    serve.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        raise ValueError("--replicas must be >= 1")
+    if not 0 < args.port < 65536:
+        raise ValueError("--port must be in 1..65535")
+    import ray
+    from ray import serve
+
+    from deployments.app import AppArgs, build_app
+
+    engine_args = dict(args.engine_args)
+    # Replicas share this machine's cores: give each its slice instead of all of them each.
+    engine_args.setdefault("num_threads", max(1, (os.cpu_count() or 1) // args.replicas))
+    actor_options: dict[str, Any] = {"num_cpus": 0}
+    if args.num_gpus_per_replica:
+        actor_options["num_gpus"] = args.num_gpus_per_replica
+    app_args = AppArgs.parse({"model": args.model, "served_model_name": args.served_model_name,
+                              "num_replicas": args.replicas, "api_key": args.api_key,
+                              "engine_args": engine_args, "llm_server_actor_options": actor_options})
+    print(f"iterserve: starting Ray and {args.replicas} replica(s); the first start builds the embedded model",
+          flush=True)
+    started_s = time.monotonic()
+    ray.init(include_dashboard=args.dashboard, log_to_driver=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(dataclasses.asdict(app_args)), name=APP_NAME, route_prefix="/")
+        _print_ready(args, time.monotonic() - started_s)
+        while not stop.wait(1.0):
+            pass
+        print("\niterserve: stopping", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _print_ready(args: argparse.Namespace, elapsed_s: float) -> None:
+    base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
+    print(f"\niterserve: ready in {elapsed_s:.0f}s. OpenAI-compatible API at {base}/v1 "
+          f"(health {base}/health, metrics {base}/metrics)\n"
+          f"  curl {base}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
+          f"    -d '{{\"prompt\": \"Continuous batching\", \"max_tokens\": 16}}'\n"
+          f"Ctrl-C stops the server.", flush=True)
+    sys.stdout.flush()
