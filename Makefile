@@ -6,7 +6,7 @@ PYTHON ?= python3
 # (or a package asking for a newer one) would pull gigabytes of CUDA packages.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test unit integration bench clean
+.PHONY: setup run demo test unit integration bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 setup: $(VENV)/.installed
 
+# The OpenAI-compatible server on the embedded default model, at http://127.0.0.1:8000/v1.
 run: setup
+	$(PY) -m model_worker.cli serve $(ARGS)
+
+demo: setup
 	$(PY) -m model_worker.cli demo
 
 test: setup

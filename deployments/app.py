@@ -87,8 +87,7 @@ class HandleBackend:
 
     async def health(self) -> tuple[bool, dict[str, Any]]:
         states = await self.replica_states()
-        replies = await self.handle.broadcast("ready").results_async(timeout_s=BROADCAST_TIMEOUT_S,
-                                                                     return_exceptions=True)
+        replies = await self._broadcast("ready")
         ready = sum(1 for r in replies if isinstance(r, dict) and r.get("model_loaded") and r.get("engine_running"))
         running = states.get("RUNNING", 0)
         # Every replica Serve counts must be running and must have said it is ready.
@@ -96,9 +95,16 @@ class HandleBackend:
         return healthy, {"replicas": states, "ready_replicas": ready}
 
     async def metrics_snapshots(self) -> list[dict[str, Any]]:
-        replies = await self.handle.broadcast("metrics_snapshot").results_async(timeout_s=BROADCAST_TIMEOUT_S,
-                                                                                return_exceptions=True)
-        return [r for r in replies if isinstance(r, dict)]
+        return [r for r in await self._broadcast("metrics_snapshot") if isinstance(r, dict)]
+
+    async def _broadcast(self, method: str) -> list[Any]:
+        """Every running replica's reply (an exception in place of a failed one); [] when there is
+        no replica yet."""
+        try:
+            return await self.handle.broadcast(method).results_async(timeout_s=BROADCAST_TIMEOUT_S,
+                                                                     return_exceptions=True)
+        except (DeploymentUnavailableError, TimeoutError):
+            return []
 
     async def replica_states(self) -> dict[str, int]:
         status = await asyncio.to_thread(serve.status)

@@ -32,8 +32,10 @@ class Histogram:
     __slots__ = ("buckets", "counts", "sum", "count")
 
     def __init__(self, buckets: Sequence[float]) -> None:
-        if not buckets or list(buckets) != sorted(set(buckets)):
-            raise ValueError("histogram buckets must be a non-empty, strictly increasing sequence")
+        if (not buckets or list(buckets) != sorted(set(buckets))
+                or not all(math.isfinite(b) for b in buckets)):
+            raise ValueError("histogram buckets must be a non-empty, strictly increasing sequence of finite "
+                             "bounds (+Inf is always added)")
         self.buckets = tuple(float(b) for b in buckets)
         self.counts = [0] * (len(self.buckets) + 1)
         self.sum = 0.0
@@ -83,7 +85,9 @@ class Exposition:
         """A replica's `metrics_snapshot()`: {"families": [{name, type, help, samples}]}."""
         for family in snapshot.get("families", ()):
             for sample_labels, value in family["samples"]:
-                self.add(family["name"], family["type"], family["help"], {**labels, **sample_labels}, value)
+                # The gatherer's labels win: a replica cannot relabel itself into another's series.
+                merged = {**labels, **{k: v for k, v in sample_labels.items() if k not in labels}}
+                self.add(family["name"], family["type"], family["help"], merged, value)
 
     def render(self) -> str:
         lines: list[str] = []

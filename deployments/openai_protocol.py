@@ -119,7 +119,7 @@ def _common(body: dict[str, Any], kind: str, served_model: str, id_prefix: str) 
     if user is not None and not isinstance(user, str):
         raise invalid("user", "user must be a string")
     try:
-        priority = Priority.parse(body.get("priority", "interactive")).name.lower()
+        priority = Priority.parse(body.get("priority") or "interactive").name.lower()
     except ValueError as exc:
         raise invalid("priority", str(exc)) from None
     return ParsedRequest(kind=kind, model=served_model, sampling=_sampling(body), stream=stream,

@@ -100,3 +100,17 @@ async def stats_once_aborted(engine, attempts: int = 200, interval_s: float = 0.
             break
         await asyncio.sleep(interval_s)
     return stats
+
+
+class ChatByteTokenizer(ByteTokenizer):
+    """ByteTokenizer with a chat template: `<role>content\n` per message, then `<assistant>`."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return super().encode(text)
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
+                            add_generation_prompt: bool = True) -> str:
+        if any(m["role"] == "tool" for m in messages):
+            raise ValueError("this template has no tool role")
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")

@@ -1,0 +1,219 @@
+"""The Serve application on a real local Ray with the default model, over real HTTP on 127.0.0.1.
+
+One application (two LLMServer replicas, an API key, a small admission limit) serves every test in
+this module; the not-ready test adds a second one whose replica can never be placed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+
+KEY = "integration-key"
+MODEL = "iterserve-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# Per replica: 16 waiting requests for interactive traffic, 2 for batch (batch is shed first).
+ADMISSION = {"max_waiting_requests": 16, "batch_shed_fraction": 0.125, "retry_after_s": 2.0}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app(default_model_dir):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {"model": default_model_dir, "served_model_name": MODEL, "num_replicas": 2, "api_key": KEY,
+            "engine_args": {"num_threads": 1, "max_num_seqs": 32}, "admission": ADMISSION}
+    serve.run(build_app(args), name="iterserve", route_prefix="/")
+    try:
+        yield SimpleNamespace(base=f"http://127.0.0.1:{port}", serve=serve, build_app=build_app,
+                              model_dir=default_model_dir)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture
+def client(app):
+    with httpx.Client(base_url=app.base, headers=AUTH, timeout=120) as c:
+        yield c
+
+
+def openai_client(app):
+    import openai
+    return openai.OpenAI(base_url=f"{app.base}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def metric_samples(text: str, name: str) -> dict[str, float]:
+    """{label text: value} of one metric's series."""
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, _, value = line.rpartition(" ")
+            samples[labels[len(name):]] = float(value)
+    return samples
+
+
+def test_openai_client_completions_and_chat_stream_and_not(app):
+    oai = openai_client(app)
+    greedy = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+    unary = oai.completions.create(model=MODEL, prompt="Continuous batching", **greedy)
+    assert unary.choices[0].finish_reason == "length" and unary.usage.completion_tokens == 12
+    stream = oai.completions.create(model=MODEL, prompt="Continuous batching", stream=True,
+                                    stream_options={"include_usage": True}, **greedy)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == unary.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == unary.usage.prompt_tokens
+
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a KV cache?"}]
+    chat = oai.chat.completions.create(model=MODEL, messages=messages, **greedy)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 12
+    deltas = [c.choices[0].delta for c in oai.chat.completions.create(model=MODEL, messages=messages,
+                                                                       stream=True, **greedy)]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == chat.choices[0].message.content
+    assert [m.id for m in oai.models.list().data] == [MODEL]
+
+
+def test_every_error_class_over_http(app, client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as not_found:
+        openai_client(app).completions.create(model="gpt-unknown", prompt="x", max_tokens=1)
+    assert not_found.value.code == "model_not_found"
+    cases = [
+        (client.post("/v1/completions", content=b"{"), 400, None),
+        (client.post("/v1/completions", json={"prompt": list(range(3, 2043)), "max_tokens": 100}), 400,
+         "context_length_exceeded"),
+        (client.post("/v1/completions", json={"prompt": "x", "n": 2}), 400, None),
+        (client.post("/v1/chat/completions", json={"messages": "hello"}), 400, None),
+        (client.post("/v1/completions", json={"prompt": "x", "model": "nope"}), 404, "model_not_found"),
+        (client.get("/v1/nothing"), 404, "not_found"),
+    ]
+    for response, status, code in cases:
+        assert response.status_code == status, response.text
+        assert response.json()["error"]["code"] == code and response.json()["error"]["message"]
+
+
+def test_api_key_is_required_everywhere_but_health(app):
+    with httpx.Client(base_url=app.base, timeout=60) as anonymous:
+        assert anonymous.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+        wrong = anonymous.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        assert anonymous.get("/metrics").status_code == 401
+        assert anonymous.get("/health").status_code == 200
+
+
+def test_two_replicas_both_serve(app, client):
+    async def burst():
+        async with httpx.AsyncClient(base_url=app.base, headers=AUTH, timeout=120) as c:
+            body = {"prompt": "Short requests never wait", "max_tokens": 8}
+            return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(24)))
+
+    assert all(r.status_code == 200 for r in asyncio.run(burst()))
+    metrics = client.get("/metrics").text
+    tokens = metric_samples(metrics, "iterserve_generation_tokens_total")
+    assert len(tokens) == 2 and all(v > 0 for v in tokens.values()), tokens
+    assert metric_samples(metrics, "iterserve_replicas") == {f'{{model_name="{MODEL}",state="RUNNING"}}': 2.0}
+    health = client.get("/health")
+    assert health.status_code == 200 and health.json()["ready_replicas"] == 2
+
+
+def test_batch_traffic_is_shed_with_429_under_overload(app, client):
+    long_prompt = list(range(3, 1503))  # 1500 tokens: three prefill steps each, so a queue builds
+
+    async def flood():
+        async with httpx.AsyncClient(base_url=app.base, headers=AUTH, timeout=120) as c:
+            body = {"prompt": long_prompt, "max_tokens": 2, "priority": "batch"}
+            return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(24)))
+
+    responses = asyncio.run(flood())
+    shed = [r for r in responses if r.status_code == 429]
+    assert shed and any(r.status_code == 200 for r in responses), [r.status_code for r in responses]
+    assert all(r.headers["retry-after"] == "2" and r.json()["error"]["code"] == "overloaded" for r in shed)
+    assert {r.status_code for r in responses} <= {200, 429}
+    counted = metric_samples(client.get("/metrics").text, "iterserve_requests_shed_total")
+    assert sum(v for labels, v in counted.items() if 'priority="batch"' in labels) >= len(shed)
+
+
+def test_client_disconnect_aborts_and_frees_blocks(app, client):
+    aborted_before = _aborted(client)
+    body = {"prompt": "A long answer follows.", "max_tokens": 1800, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=app.base, headers=AUTH, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            assert [next(lines) for _ in range(6)]  # tokens are flowing; now hang up
+    llm = app.serve.get_deployment_handle("LLMServer", "iterserve")
+    deadline = time.monotonic() + 30
+    while True:
+        stats = llm.broadcast("record_routing_stats").results(timeout_s=10)
+        freed = all(s["num_free_kv_blocks"] == s["num_total_kv_blocks"] and s["num_running"] == 0 for s in stats)
+        if freed and _aborted(client) > aborted_before:
+            break
+        assert time.monotonic() < deadline, (stats, _aborted(client), aborted_before)
+        time.sleep(0.2)
+
+
+def _aborted(client: httpx.Client) -> float:
+    samples = metric_samples(client.get("/metrics").text, "iterserve_request_success_total")
+    return sum(v for labels, v in samples.items() if 'finished_reason="abort"' in labels)
+
+
+def test_handle_calls_from_a_separate_deployment(app, client):
+    from deployments.handle_example import Assistant
+
+    assistant = app.serve.run(Assistant.bind("iterserve"), name="handle_example", route_prefix=None)
+    try:
+        text = assistant.complete.remote("The scheduler", 10).result(timeout_s=120)
+        over_http = client.post("/v1/completions", json={"prompt": "The scheduler", "max_tokens": 10,
+                                                          "temperature": 0}).json()
+        assert text == over_http["choices"][0]["text"]
+        pieces = list(assistant.options(stream=True).stream_answer.remote("What is a KV cache?", 8))
+        assert len(pieces) >= 1 and all(isinstance(p, str) for p in pieces)
+        assert assistant.status_of.remote({"prompt": "x", "n": 2}).result(timeout_s=60) == 400
+        # The iterserve handle straight from this driver, too.
+        direct = app.serve.get_app_handle("iterserve")
+        reply = direct.completions.remote({"prompt": "The scheduler", "max_tokens": 10, "temperature": 0})
+        assert reply.result(timeout_s=120)["choices"][0]["text"] == text
+    finally:
+        app.serve.delete("handle_example")
+
+
+def test_not_ready_answers_503_until_a_replica_exists(app):
+    # A replica that asks for a resource no node has stays pending, as on a cluster short of GPUs.
+    args = {"model": app.model_dir, "served_model_name": MODEL, "engine_args": {"num_threads": 1},
+            "llm_server_actor_options": {"num_cpus": 0, "resources": {"iterserve_test_missing": 1}}}
+    # serve.run would wait for the application to be running, which it never will be.
+    app.serve._run(app.build_app(args), name="pending", route_prefix="/pending", _blocking=False)
+    try:
+        with httpx.Client(base_url=f"{app.base}/pending", timeout=60) as c:
+            deadline = time.monotonic() + 90
+            while (health := c.get("/health")).status_code == 404:  # until the ingress is up
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+            assert health.status_code == 503 and health.json().get("ready_replicas") == 0, health.text
+            r = c.post("/v1/completions", json={"prompt": "x"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+            assert int(r.headers["retry-after"]) >= 1
+    finally:
+        app.serve.delete("pending")
