@@ -112,6 +112,11 @@ def test_every_error_class_over_http(app, client):
     for response, status, code in cases:
         assert response.status_code == status, response.text
         assert response.json()["error"]["code"] == code and response.json()["error"]["message"]
+    # Extreme but valid values are served by the real sampler, not crashed on.
+    for extreme in ({"top_k": 10**9}, {"seed": 2**63 - 1}, {"temperature": 100}, {"top_p": 1e-9},
+                    {"stop_token_ids": [10**12]}):
+        response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, **extreme})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1, extreme
 
 
 def test_api_key_is_required_everywhere_but_health(app):

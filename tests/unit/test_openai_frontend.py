@@ -296,3 +296,33 @@ def test_metrics_count_what_was_served(make_server):
         assert 'endpoint="/v1/completions",status="200"} 3' in text
         assert 'endpoint="/v1/completions",status="400"} 1' in text
     run(main())
+
+
+def test_random_bodies_never_crash_or_hang_the_server(make_server):
+    """Seeded fuzz: odd values in random fields get 200, 400 or 404, and the server keeps serving."""
+    import random
+
+    odd = [10**9, -1, 0, 2**63 - 1, 2**64, 1e308, float("nan"), "", "x", None, [], {}, [1], True, 0.5, [None],
+           {"a": 1}, "\u00e9" * 50, [[1, 2], [3]], [{"role": "user"}]]
+    fields = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
+              "stream_options", "priority", "stop_token_ids", "ignore_eos", "messages", "model", "user", "logprobs",
+              "max_completion_tokens"]
+    rng = random.Random(0)
+
+    async def main():
+        server = make_server()
+        _, client = client_for(server)
+        statuses = set()
+        for _ in range(300):
+            body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+            for name in rng.sample(fields, rng.randint(1, 3)):
+                body[name] = rng.choice(odd)
+            path = rng.choice(["/v1/completions", "/v1/chat/completions"])
+            r = await asyncio.wait_for(client.post(path, content=json.dumps(body).encode()), 30)
+            statuses.add(r.status_code)
+            if r.status_code != 200:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert statuses <= {200, 400, 404} and {200, 400} <= statuses, statuses
+        assert server.engine.is_running
+        assert (await client.post("/v1/completions", json={"prompt": "alive", "max_tokens": 2})).status_code == 200
+    run(main())
