@@ -1,0 +1,93 @@
+"""LLMServer's Serve hooks and configuration, over a real engine with the fake KV runner."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments.app_config import AppArgs
+from deployments.llm_server import AdmissionConfig, LLMServer, _engine_config
+from deployments.protocol import GenerateRequest
+from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
+from tests.unit.fakes import FakeKVRunner
+
+
+def make_server(max_model_len: int = 256, **admission) -> LLMServer:
+    engine = LLMEngine(EngineConfig(block_size=4), model_runner=FakeKVRunner(64, 4, max_model_len, 300))
+    return LLMServer(engine=AsyncLLMEngine(engine=engine), served_model_name="m", admission=admission,
+                     replica_id="r0")
+
+
+def test_hooks_report_engine_state_in_the_types_serve_accepts():
+    server = make_server()
+
+    async def main():
+        held = server.generate_stream(GenerateRequest([5, 6, 7, 8, 9], SamplingParams(max_tokens=3)))
+        await held.__anext__()
+        autoscaling = await server.record_autoscaling_stats()
+        routing = await server.record_routing_stats()
+        await held.aclose()
+        await server.check_health()
+        return autoscaling, routing
+
+    try:
+        autoscaling, routing = asyncio.run(main())
+    finally:
+        server.shutdown()
+    # Serve drops a replica's custom autoscaling metrics if one value is not an int or float.
+    assert all(type(v) in (int, float) for v in autoscaling.values()), autoscaling
+    assert autoscaling["num_waiting_first_token"] == 1 and autoscaling["num_total_kv_blocks"] == 64
+    assert routing["replica"] == "r0" and routing["block_size"] == 4 and routing["num_total_kv_blocks"] == 64
+
+
+def test_model_info_limits_context_to_the_whole_cache():
+    server = make_server(max_model_len=1024)
+    try:
+        info = asyncio.run(server.model_info())
+    finally:
+        server.shutdown()
+    # The model takes 1024 positions, but 64 blocks of 4 tokens hold only 256.
+    assert (info.served_model_name, info.max_model_len, info.block_size, info.vocab_size) == ("m", 256, 4, 300)
+
+
+def test_health_check_raises_once_the_engine_thread_died():
+    server = make_server()
+    server.engine.shutdown()
+    with pytest.raises(RuntimeError, match="stopped"):
+        asyncio.run(server.check_health())
+
+
+@pytest.mark.parametrize("admission,match", [
+    ({"max_waiting_requests": 0}, "max_waiting_requests"),
+    ({"batch_shed_fraction": 0}, "batch_shed_fraction"),
+    ({"retry_after_s": 0}, "retry_after_s"),
+])
+def test_bad_admission_config_is_refused(admission, match):
+    with pytest.raises(ValueError, match=match):
+        AdmissionConfig(**admission)
+
+
+def test_batch_limit_is_a_fraction_of_the_interactive_one():
+    config = AdmissionConfig(max_waiting_requests=10, batch_shed_fraction=0.3)
+    assert (config.limit("interactive"), config.limit("batch")) == (10, 3)
+
+
+def test_engine_args_are_checked_by_name():
+    assert _engine_config("/m", {"max_num_seqs": 8}).max_num_seqs == 8
+    with pytest.raises(ValueError, match="unknown engine_args"):
+        _engine_config(None, {"max_num_seq": 8})
+    with pytest.raises(ValueError, match="given twice"):
+        _engine_config("/a", {"model": "/b"})
+
+
+@pytest.mark.parametrize("args,match", [
+    ({"replicas": 2}, "unknown application args"),
+    ({"num_replicas": 0}, "num_replicas"),
+    ({"max_queued_requests": 0}, "max_queued_requests"),
+    ({"engine_args": [1]}, "engine_args"),
+    ({"admission": {"max_waiting_requests": -1}}, "max_waiting_requests"),
+])
+def test_bad_application_args_are_refused_before_deploying(args, match):
+    with pytest.raises(ValueError, match=match):
+        AppArgs.parse(args)
