@@ -64,8 +64,12 @@ class BenchRequest:
     prompt_token_ids: tuple[int, ...]
     # Exact number of tokens to generate (EOS is ignored by every system under test).
     output_tokens: int
-    # Seconds after the start of the run at which the request is submitted.
+    # Seconds after the start of the run at which the request is submitted; with `after_id`,
+    # seconds after that request finished (a user's think time between turns).
     arrival_s: float
+    priority: str = "interactive"
+    # Send only once this request has finished (the previous turn of a conversation).
+    after_id: str | None = None
 
 
 def _clamp(value: int, low: int, high: int) -> int:

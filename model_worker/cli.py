@@ -35,12 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--seed", type=int, default=None)
     from deployments import serve_cli
+    from loadtest import bench_cli
 
     serve_cli.add_parser(sub)
+    bench_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
             return serve_cli.run(args)
+        if args.command == "bench":
+            return bench_cli.run(args)
         if args.command == "demo":
             return asyncio.run(_demo(args))
         return asyncio.run(_generate(args))

@@ -1,0 +1,133 @@
+"""What a serving load test measured, per request and in summary. Pure Python.
+
+Times are seconds on one clock with 0 at the start of the run. A request is counted whatever
+happened to it: refused (429), failed, or cut off by the run's time limit, never dropped. The
+summary's conventions follow vLLM's serving benchmark: TTFT from sending to the first content
+chunk, ITL between consecutive content chunks, TPOT = (E2E - TTFT) / (output tokens - 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from model_worker.stats import percentile
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    request_id: str
+    priority: str = "interactive"
+    # When the workload scheduled it, and when the client actually sent it (None: never sent).
+    arrival_s: float = 0.0
+    sent_s: float | None = None
+    # HTTP status of the response; 0 when none came (connection error, timeout, run cut off).
+    status: int = 0
+    error: str | None = None
+    prompt_tokens: int = 0
+    # Tokens the server reported generating (usage.completion_tokens), else content chunks seen.
+    output_tokens: int = 0
+    # Arrival of the first content chunk, and of every content chunk (first included).
+    first_token_s: float | None = None
+    chunk_times_s: list[float] = field(default_factory=list)
+    finish_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None and self.finish_s is not None
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_s is None or self.sent_s is None:
+            return None
+        return self.first_token_s - self.sent_s
+
+    @property
+    def e2e_s(self) -> float | None:
+        if self.finish_s is None or self.sent_s is None:
+            return None
+        return self.finish_s - self.sent_s
+
+    @property
+    def itls_s(self) -> list[float]:
+        times = self.chunk_times_s
+        return [later - earlier for earlier, later in zip(times, times[1:])]
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.ok or self.output_tokens < 2 or self.ttft_s is None:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)  # type: ignore[operator]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RequestResult":
+        return cls(**data)
+
+
+@dataclass(slots=True, frozen=True)
+class SLO:
+    """A request meets the SLO when it succeeded with TTFT and TPOT within these (None: no bound)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def met_by(self, result: RequestResult) -> bool:
+        if not result.ok:
+            return False
+        if self.ttft_s is not None and (result.ttft_s is None or result.ttft_s > self.ttft_s):
+            return False
+        tpot = result.tpot_s
+        return self.tpot_s is None or tpot is None or tpot <= self.tpot_s
+
+
+def distribution(values: list[float]) -> dict[str, float | None]:
+    """mean and p50/p90/p99 (numpy's linear interpolation); None for each when there are none."""
+    out: dict[str, float | None] = {"mean": sum(values) / len(values) if values else None}
+    for q in PERCENTILES:
+        out[f"p{q}"] = percentile(values, q)
+    return out
+
+
+def summarize(results: list[RequestResult], slo: SLO = SLO(), duration_s: float | None = None
+              ) -> dict[str, Any]:
+    """Throughput, latency distributions, outcome counts and goodput of one run.
+
+    duration_s defaults to the span from the first send to the last finish. Goodput is the share of
+    *all* requests (failed and refused ones included) that met the SLO, and that count per second.
+    """
+    if not results:
+        raise ValueError("no results to summarize")
+    ok = [r for r in results if r.ok]
+    if duration_s is None:
+        starts = [r.sent_s for r in results if r.sent_s is not None]
+        ends = [r.finish_s for r in results if r.finish_s is not None]
+        duration_s = (max(ends) - min(starts)) if starts and ends else 0.0
+    met = sum(1 for r in results if slo.met_by(r))
+    per_s = (lambda n: n / duration_s) if duration_s > 0 else (lambda n: 0.0)
+    statuses: dict[str, int] = {}
+    for r in results:
+        statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
+    return {
+        "num_requests": len(results),
+        "num_ok": len(ok),
+        "num_shed": sum(1 for r in results if r.status == 429),
+        "num_errors": sum(1 for r in results if not r.ok and r.status != 429),
+        "statuses": statuses,
+        "duration_s": duration_s,
+        "total_input_tokens": sum(r.prompt_tokens for r in ok),
+        "total_output_tokens": sum(r.output_tokens for r in ok),
+        "request_throughput": per_s(len(ok)),
+        "output_throughput": per_s(sum(r.output_tokens for r in ok)),
+        "ttft_s": distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_s": distribution([gap for r in ok for gap in r.itls_s]),
+        "tpot_s": distribution([t for r in ok if (t := r.tpot_s) is not None]),
+        "e2e_s": distribution([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "goodput": met / len(results),
+        "goodput_rps": per_s(met),
+    }
