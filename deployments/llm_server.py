@@ -87,19 +87,27 @@ class LLMServer:
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         """Stream a request. The first chunk (no tokens) confirms admission: every error a request
-        can cause is raised before it, as an APIError. Closing the stream early aborts the request."""
+        can cause is raised before it, as an APIError. Closing the stream early aborts the request.
+
+        Outputs that piled up while the consumer was busy go out as one chunk: under load a token
+        costs a Ray message and an SSE event on every hop, and coalescing keeps that cost per
+        chunk, not per token, while an idle consumer still gets every token at once."""
         stream = self._admit(request)
         waiting = True
         self.num_waiting[request.priority] += 1
         try:
             yield GenerationChunk(request.request_id, num_prompt_tokens=len(request.prompt_token_ids))
             async for out in _outputs(stream):
-                if waiting and out.new_token_ids:
+                chunk = _chunk(out)
+                for later in stream.ready():
+                    _extend(chunk, _chunk(later))
+                    out = later
+                if waiting and chunk.token_ids:
                     waiting = False
                     self.num_waiting[request.priority] -= 1
                 if out.finished:
                     self._observe(out)
-                yield _chunk(out)
+                yield chunk
         finally:
             stream.close()
             if waiting:
@@ -109,15 +117,7 @@ class LLMServer:
         """Run a request to the end and return it as one finished chunk."""
         whole = GenerationChunk(request.request_id)
         async for chunk in self.generate_stream(request):
-            whole.text += chunk.text
-            whole.token_ids.extend(chunk.token_ids)
-            whole.finished = chunk.finished
-            whole.finish_reason = chunk.finish_reason
-            whole.stop_reason = chunk.stop_reason
-            whole.num_prompt_tokens = chunk.num_prompt_tokens
-            whole.num_output_tokens = chunk.num_output_tokens
-            whole.num_cached_tokens = chunk.num_cached_tokens
-            whole.metrics = chunk.metrics
+            _extend(whole, chunk)
         return whole
 
     def _admit(self, request: GenerateRequest) -> RequestStream:
@@ -210,6 +210,20 @@ async def _outputs(stream: RequestStream) -> AsyncIterator[RequestOutput]:
         raise
     except Exception as exc:
         raise internal(f"generation failed: {type(exc).__name__}: {exc}") from None
+
+
+def _extend(chunk: GenerationChunk, later: GenerationChunk) -> None:
+    """Fold a later chunk of the same request into `chunk`: texts and tokens add up, the rest is
+    the later one's."""
+    chunk.text += later.text
+    chunk.token_ids.extend(later.token_ids)
+    chunk.finished = later.finished
+    chunk.finish_reason = later.finish_reason
+    chunk.stop_reason = later.stop_reason
+    chunk.num_prompt_tokens = later.num_prompt_tokens
+    chunk.num_output_tokens = later.num_output_tokens
+    chunk.num_cached_tokens = later.num_cached_tokens
+    chunk.metrics = later.metrics
 
 
 def _chunk(out: RequestOutput) -> GenerationChunk:

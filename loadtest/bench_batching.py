@@ -44,16 +44,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer requests and rates (under 5 minutes)")
-    p.add_argument("--rates", default=None, help="comma list of req/s (default 1,2,3,4,6,8,11,16; quick 2,4,6,9,13)")
-    p.add_argument("--num-requests", type=int, default=None, help="per sweep point (default 120; quick 40)")
+    p.add_argument("--rates", default=None, help="comma list of req/s (default 1,2,4,6,8,12,16; quick 2,4,8,12)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds of arrivals per sweep point (default 40; quick 15): long enough that a rate "
+                        "above capacity shows as a growing queue, not a burst that drains")
+    p.add_argument("--min-requests", type=int, default=30, help="per sweep point, at the lowest rates")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="p99 TTFT bound in seconds for the sweep")
     p.add_argument("--repeats", type=int, default=None, help="short-beside-long repeats (default 5; quick 3)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of each replica")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "batching")
     args = p.parse_args(argv)
-    args.rates = [float(r) for r in (args.rates or ("2,4,6,9,13" if args.quick else "1,2,3,4,6,8,11,16")).split(",")]
-    args.num_requests = args.num_requests or (40 if args.quick else 120)
+    args.rates = [float(r) for r in (args.rates or ("2,4,8,12" if args.quick else "1,2,4,6,8,12,16")).split(",")]
+    args.duration = args.duration or (15.0 if args.quick else 40.0)
     args.repeats = args.repeats or (3 if args.quick else 5)
     return args
 
@@ -104,15 +107,15 @@ def short_beside_long(base: str, pool: np.ndarray, repeats: int, seed: int) -> d
 def sweep(base: str, args: argparse.Namespace, pool: np.ndarray) -> list[dict[str, Any]]:
     """Alternate modes at each rate; a mode stops once its p99 TTFT passed the SLO."""
     rows = load_azure_trace(default_trace_path(REPO_ROOT))
-    trace_rate = wl.trace_rate(rows, args.num_requests)
     slo = SLO(ttft_s=args.slo_ttft)
     runs: list[dict[str, Any]] = []
     active = list(MODES)
     for i, rate in enumerate(args.rates):
-        # Same rows, so the same lengths, at each rate; fresh prompt tokens so no run hits the
-        # prefix cache of an earlier one.
-        workload = wl.trace_replay(rows, args.num_requests, pool, args.seed + 1 + i, speedup=rate / trace_rate,
-                                   scaler=LengthScaler())
+        # The trace's first rows, as many as arrive in `duration` at this rate; fresh prompt tokens
+        # per rate so no run hits the prefix cache of an earlier one.
+        num_requests = max(args.min_requests, round(rate * args.duration))
+        workload = wl.trace_replay(rows, num_requests, pool, args.seed + 1 + i,
+                                   speedup=rate / wl.trace_rate(rows, num_requests), scaler=LengthScaler())
         for mode in list(active):
             config = ClientConfig(f"{base}/{mode}", max_duration_s=600.0)
             run = measure(workload, config, f"{mode} @ {rate:g} req/s", mode, rate, slo)
@@ -163,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
              f"short beside long (median of {args.repeats}): continuous short {headline['short_latency_continuous_s']:.3f}s "
              f"/ long {headline['long_latency_continuous_s']:.3f}s; static short {headline['short_latency_static_s']:.3f}s "
              f"/ long {headline['long_latency_static_s']:.3f}s",
-             f"{args.num_requests} Azure conversation requests per point, lengths scaled (prompt/4 <= 512, "
-             f"output/2 <= 256), arrivals re-timed to each rate; {os.cpu_count()} CPU cores, {args.threads} torch threads",
+             f"sweep: Azure conversation trace, {args.duration:g} s of arrivals per point (at least "
+             f"{args.min_requests} requests), lengths scaled (prompt/4 <= 512, output/2 <= 256), arrivals re-timed "
+             f"to each rate; {os.cpu_count()} CPU cores, {args.threads} torch threads per replica",
              f"total wall time {time.monotonic() - started_s:.0f}s"]
     write_report(args.out, "Continuous against static batching", runs, notes=notes, slo_ttft_s=args.slo_ttft)
     print(json.dumps(headline), flush=True)

@@ -125,8 +125,8 @@ class _Runner:
             for request in self.roots:
                 queue.put_nowait(request)
             self.queue = queue
-            workers = [asyncio.ensure_future(self._worker(queue)) for _ in range(self.config.concurrency)]
-            self.tasks.update(workers)
+            for _ in range(self.config.concurrency):
+                self._track(asyncio.ensure_future(self._worker(queue)))
         while self.tasks:
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
 
@@ -139,7 +139,9 @@ class _Runner:
             await self._one(request)
 
     def _spawn(self, request: BenchRequest) -> None:
-        task = asyncio.ensure_future(self._one(request))
+        self._track(asyncio.ensure_future(self._one(request)))
+
+    def _track(self, task: asyncio.Task) -> None:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -165,9 +167,7 @@ class _Runner:
                 await self._one(child)
             else:
                 self.queue.put_nowait(child)
-        task = asyncio.ensure_future(later())
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self._track(asyncio.ensure_future(later()))
 
     async def _send(self, request: BenchRequest, result: RequestResult) -> None:
         body: dict[str, Any] = {"prompt": list(request.prompt_token_ids), "max_tokens": request.output_tokens,

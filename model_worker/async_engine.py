@@ -31,7 +31,7 @@ class RequestStream:
     """The outputs of one queued request, in order. Closing it before the finished output aborts
     the request in the engine (at the next step boundary) and frees its KV blocks."""
 
-    __slots__ = ("request_id", "loop", "queue", "finished", "_owner")
+    __slots__ = ("request_id", "loop", "queue", "finished", "_owner", "_error")
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: "AsyncLLMEngine") -> None:
         self.request_id = request_id
@@ -39,6 +39,7 @@ class RequestStream:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
         self._owner = owner
+        self._error: BaseException | None = None
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -46,11 +47,14 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        try:
-            item = await self.queue.get()
-        except BaseException:
-            self.close()
-            raise
+        if self._error is not None:
+            item: RequestOutput | BaseException = self._error
+        else:
+            try:
+                item = await self.queue.get()
+            except BaseException:
+                self.close()
+                raise
         if isinstance(item, BaseException):
             self.finished = True
             self._owner._forget(self.request_id)
@@ -59,6 +63,22 @@ class RequestStream:
             self.finished = True
             self._owner._forget(self.request_id)
         return item
+
+    def ready(self) -> list[RequestOutput]:
+        """Outputs already delivered and not yet taken, without waiting: a consumer that fell
+        behind the engine takes them together. Stops after a finished output; an error stays
+        queued for the next `__anext__`."""
+        taken: list[RequestOutput] = []
+        while not self.finished and self._error is None and not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, BaseException):
+                self._error = item  # raised by the next __anext__, after what was taken
+                break
+            taken.append(item)
+            if item.finished:
+                self.finished = True
+                self._owner._forget(self.request_id)
+        return taken
 
     def close(self) -> None:
         """Abort the request unless it already finished; safe to call more than once."""

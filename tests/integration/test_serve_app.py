@@ -222,3 +222,24 @@ def test_not_ready_answers_503_until_a_replica_exists(app):
             assert int(r.headers["retry-after"]) >= 1
     finally:
         app.serve.delete("pending")
+
+
+def test_iterserve_bench_against_the_real_server(app, tmp_path):
+    """The load generator's SSE client and the bench CLI end to end, on the application above."""
+    import json
+
+    from model_worker.cli import main
+
+    out = tmp_path / "bench"
+    rc = main(["bench", "--url", app.base, "--api-key", KEY, "--tokenizer", app.model_dir, "--workload", "synthetic",
+               "--num-requests", "8", "--rate", "4,inf", "--prompt-len", "fixed:40", "--output-len", "fixed:6",
+               "--slo-ttft", "30", "--out", str(out)])
+    assert rc == 0
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(lines) == 16 and all(r["status"] == 200 and r["error"] is None for r in lines)
+    assert all(r["output_tokens"] == 6 and r["prompt_tokens"] == 40 for r in lines)
+    assert all(r["sent_s"] < r["first_token_s"] <= r["finish_s"] for r in lines)
+    summaries = json.loads((out / "summary.json").read_text())
+    assert [s["rate"] for s in summaries] == [4.0, None] and all(s["goodput"] == 1.0 for s in summaries)
+    report = (out / "report.md").read_text()
+    assert "![" in report and (out / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"

@@ -10,7 +10,7 @@ from deployments.app_config import AppArgs
 from deployments.llm_server import AdmissionConfig, LLMServer, _engine_config
 from deployments.protocol import GenerateRequest
 from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
-from tests.unit.fakes import FakeKVRunner
+from tests.unit.fakes import FakeKVRunner, reference_tokens
 
 
 def make_server(max_model_len: int = 256, **admission) -> LLMServer:
@@ -91,3 +91,27 @@ def test_engine_args_are_checked_by_name():
 def test_bad_application_args_are_refused_before_deploying(args, match):
     with pytest.raises(ValueError, match=match):
         AppArgs.parse(args)
+
+
+def test_a_consumer_that_fell_behind_gets_the_backlog_as_one_chunk():
+    server = make_server()
+    tokens = reference_tokens([5, 6, 7, 8, 9], 20, 300)
+
+    async def main():
+        stream = server.generate_stream(GenerateRequest([5, 6, 7, 8, 9], SamplingParams(max_tokens=20, temperature=0,
+                                                                                        ignore_eos=True)))
+        admitted = await stream.__anext__()
+        for _ in range(500):  # let the engine finish all 20 steps before reading any
+            if (await server.engine.stats())["requests_finished"]["length"]:
+                break
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)  # the last outputs reach this loop
+        return admitted, [chunk async for chunk in stream]
+
+    try:
+        admitted, chunks = asyncio.run(main())
+    finally:
+        server.shutdown()
+    assert admitted.token_ids == [] and admitted.num_prompt_tokens == 5
+    assert len(chunks) == 1 and chunks[0].finished and chunks[0].finish_reason == "length"
+    assert chunks[0].token_ids == tokens and chunks[0].num_output_tokens == 20
