@@ -16,6 +16,7 @@ from typing import Any
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from deployments.errors import APIError, internal, not_ready, overloaded
@@ -39,6 +40,13 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         ray_actor_options=app_args.llm_server_actor_options,
         max_ongoing_requests=app_args.max_ongoing_requests,
         max_queued_requests=app_args.max_queued_requests,
+        request_router_config=RequestRouterConfig(
+            request_router_class="router.serve_router:PrefixAwareRouter",
+            request_router_kwargs=app_args.router,
+            request_routing_stats_period_s=app_args.routing_stats_period_s,
+            # A report holds every cached block hash; give a busy replica time to send it.
+            request_routing_stats_timeout_s=max(5.0, 5 * app_args.routing_stats_period_s),
+        ),
     ).bind(app_args.model, app_args.engine_args, app_args.served_model_name, app_args.admission)
     ingress = OpenAIIngress.options(
         num_replicas=app_args.ingress_replicas,

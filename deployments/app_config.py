@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deployments.llm_server import AdmissionConfig
+from router.policy import RouterConfig
 
 
 @dataclass(slots=True)
@@ -34,6 +35,11 @@ class AppArgs:
     max_ongoing_requests: int = 1024
     # Requests queued in the callers' routers beyond that; -1 is unbounded. Over it: 429.
     max_queued_requests: int = -1
+    # The request router on LLMServer (router/serve_router.py): `policy` (prefix_aware, pow2,
+    # round_robin, random), the scoring weights of router.policy.RouterConfig, dispatch_ttl_s, seed.
+    router: dict[str, Any] = field(default_factory=lambda: {"policy": "prefix_aware"})
+    # How often each replica reports its load and prefix cache to the routers (Serve polls it).
+    routing_stats_period_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_replicas", "ingress_replicas", "max_ongoing_requests"):
@@ -43,10 +49,14 @@ class AppArgs:
         if not isinstance(self.max_queued_requests, int) or not (self.max_queued_requests == -1
                                                                  or self.max_queued_requests >= 1):
             raise ValueError(f"max_queued_requests must be -1 or >= 1, got {self.max_queued_requests!r}")
-        for name in ("engine_args", "admission", "llm_server_actor_options", "ingress_actor_options"):
+        if not (isinstance(self.routing_stats_period_s, (int, float)) and self.routing_stats_period_s > 0):
+            raise ValueError(f"routing_stats_period_s must be > 0, got {self.routing_stats_period_s!r}")
+        for name in ("engine_args", "admission", "llm_server_actor_options", "ingress_actor_options", "router"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
         AdmissionConfig(**self.admission)
+        router = {k: v for k, v in self.router.items() if k not in ("dispatch_ttl_s", "seed")}
+        RouterConfig(**router)
 
     @classmethod
     def parse(cls, args: dict[str, Any] | None) -> "AppArgs":

@@ -78,6 +78,7 @@ class LLMServer:
         # Admitted requests that have not produced a first token yet, by priority.
         self.num_waiting = dict.fromkeys(PRIORITIES, 0)
         self.num_shed = dict.fromkeys(PRIORITIES, 0)
+        self._report_seq = 0
         self.ttft_s = Histogram(TTFT_BUCKETS_S)
         self.itl_s = Histogram(ITL_BUCKETS_S)
         self.e2e_s = Histogram(E2E_BUCKETS_S)
@@ -96,7 +97,8 @@ class LLMServer:
         waiting = True
         self.num_waiting[request.priority] += 1
         try:
-            yield GenerationChunk(request.request_id, num_prompt_tokens=len(request.prompt_token_ids))
+            yield GenerationChunk(request.request_id, num_prompt_tokens=len(request.prompt_token_ids),
+                                  replica_id=self.replica_id)
             async for out in _outputs(stream):
                 chunk = _chunk(out)
                 for later in stream.ready():
@@ -171,9 +173,12 @@ class LLMServer:
         return {"replica": self.replica_id, "model_loaded": True, "engine_running": self.engine.is_running}
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Replica stats for the request router (polled by the Serve controller)."""
-        stats = await self.engine.stats()
-        return {"replica": self.replica_id, **{k: v for k, v in stats.items() if not isinstance(v, dict)}}
+        """Replica stats for the request router, polled by the Serve controller: load, free KV
+        blocks and every block hash the prefix cache holds; `report_seq` tells a new report."""
+        stats = await self.engine.stats(include_block_hashes=True)
+        self._report_seq += 1
+        return {"replica": self.replica_id, "report_seq": self._report_seq,
+                **{k: v for k, v in stats.items() if not isinstance(v, dict)}}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Numbers only: Serve drops a replica's custom metrics if any value is not int or float."""
@@ -224,6 +229,7 @@ def _extend(chunk: GenerationChunk, later: GenerationChunk) -> None:
     chunk.num_output_tokens = later.num_output_tokens
     chunk.num_cached_tokens = later.num_cached_tokens
     chunk.metrics = later.metrics
+    chunk.replica_id = later.replica_id or chunk.replica_id
 
 
 def _chunk(out: RequestOutput) -> GenerationChunk:

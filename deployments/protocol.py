@@ -50,6 +50,8 @@ class GenerationChunk:
     num_cached_tokens: int = 0
     # Set on the finished chunk: ttft_s, e2e_s, queue_s (engine-side seconds).
     metrics: dict[str, float] | None = None
+    # The LLMServer replica that served the request (routing tests and debugging).
+    replica_id: str | None = None
 
 
 @dataclass(slots=True)

@@ -131,8 +131,8 @@ def test_api_key_is_required_everywhere_but_health(app):
 def test_two_replicas_both_serve(app, client):
     async def burst():
         async with httpx.AsyncClient(base_url=app.base, headers=AUTH, timeout=120) as c:
-            body = {"prompt": "Short requests never wait", "max_tokens": 8}
-            return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(24)))
+            bodies = [{"prompt": f"Request {i}: short requests never wait", "max_tokens": 8} for i in range(24)]
+            return await asyncio.gather(*(c.post("/v1/completions", json=body) for body in bodies))
 
     assert all(r.status_code == 200 for r in asyncio.run(burst()))
     metrics = client.get("/metrics").text

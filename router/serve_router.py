@@ -1,0 +1,84 @@
+"""PrefixAwareRouter: the Ray Serve RequestRouter on the LLMServer deployment.
+
+It runs inside every caller's handle (the ingress replicas), so a routing decision is local: no
+RPC and no `ray.get` on the request path. Inputs, freshest first:
+- the request object itself (`GenerateRequest.block_hashes`, computed by the ingress with the
+  engine's hash function);
+- Serve's per-replica count of ongoing requests, updated as this router sends and as requests
+  finish (the load term);
+- each replica's `record_routing_stats` report, polled by the Serve controller every
+  `request_routing_stats_period_s` (free KV blocks and the prefix cache's hash set);
+- this router's own dispatches, recorded in the PrefixIndex at once.
+Selected with `router: {policy: ...}` in the application args (deployments/app_config.py).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from router.policy import ReplicaSnapshot, RouterConfig, make_policy
+from router.prefix_index import PrefixIndex
+
+
+class PrefixAwareRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, policy: str = "prefix_aware", dispatch_ttl_s: float = 10.0, seed: int | None = None,
+                         **weights: Any) -> None:
+        self.router_config = RouterConfig(policy=policy, **weights)
+        self.policy = make_policy(self.router_config, random.Random(seed))
+        self.index = PrefixIndex(dispatch_ttl_s)
+        # replica id -> the `report_seq` of its last report folded into the index.
+        self._report_seq: dict[str, int] = {}
+        # Seconds per decision, for the overhead figure in docs/architecture.md.
+        self.decision_times_s: deque[float] = deque(maxlen=10_000)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        started_s = time.perf_counter()
+        now_s = time.monotonic()
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        self._fold_reports(by_id, now_s)
+        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        hashes = list(getattr(request, "block_hashes", None) or ())
+        snapshots = [self._snapshot(replica_id, r) for replica_id, r in by_id.items()]
+        hits = {rid: self.index.leading_hits(rid, hashes, now_s) for rid in by_id} if hashes else {}
+        chosen = self.policy.choose(snapshots, hits, len(hashes), _blocks_needed(request, candidate_replicas))
+        if hashes:
+            self.index.record_dispatch(chosen, hashes, now_s)
+        self.decision_times_s.append(time.perf_counter() - started_s)
+        return [[by_id[chosen]]]
+
+    def _fold_reports(self, by_id: dict[str, RunningReplica], now_s: float) -> None:
+        """Take in each replica's newest report once; forget replicas that are gone."""
+        for replica_id, replica in by_id.items():
+            stats = replica.routing_stats or {}
+            seq = stats.get("report_seq")
+            if seq is not None and self._report_seq.get(replica_id) != seq:
+                self._report_seq[replica_id] = seq
+                self.index.update(replica_id, stats.get("cached_block_hashes", ()), now_s)
+        if self.index.replica_ids - set(by_id):
+            self.index.retain(by_id)
+            self._report_seq = {k: v for k, v in self._report_seq.items() if k in by_id}
+
+    def _snapshot(self, replica_id: str, replica: RunningReplica) -> ReplicaSnapshot:
+        stats = replica.routing_stats or {}
+        ongoing = self.replica_queue_len_cache.get(replica.replica_id)
+        load = ongoing if ongoing is not None else stats.get("num_waiting", 0) + stats.get("num_running", 0)
+        total = stats.get("num_total_kv_blocks", 0)
+        return ReplicaSnapshot(replica_id, int(load), int(stats.get("num_free_kv_blocks", total)), int(total))
+
+
+def _blocks_needed(request: Any, replicas: list[RunningReplica]) -> int:
+    """KV blocks the request will hold at its longest: prompt plus max_tokens."""
+    params = getattr(request, "params", None)
+    prompt = getattr(request, "prompt_token_ids", None)
+    if params is None or prompt is None:
+        return 0
+    block_size = next((r.routing_stats.get("block_size") for r in replicas if r.routing_stats), None) or 16
+    return -(-(len(prompt) + params.max_tokens) // block_size)
