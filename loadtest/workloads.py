@@ -109,17 +109,21 @@ def shared_prefix(num_prefixes: int, requests_per_prefix: int, prefix_tokens: in
 
 
 def multi_turn(num_conversations: int, turns: int, system_tokens: int, user_tokens: int, answer_tokens: int,
-               arrivals_s: list[float], token_pool: np.ndarray, seed: int, think_time_s: float = 0.0
-               ) -> list[BenchRequest]:
+               arrivals_s: list[float], token_pool: np.ndarray, seed: int, think_time_s: float = 0.0,
+               num_system_prompts: int | None = None) -> list[BenchRequest]:
     """Conversations whose every turn extends the previous turn's prompt: turn t+1 is turn t's
     prompt, a stand-in for its answer (`answer_tokens` fixed ids, as a chat history would hold) and
-    a new user message. Turn t+1 is sent `think_time_s` after turn t finished (`after_id`)."""
+    a new user message. Turn t+1 is sent `think_time_s` after turn t finished (`after_id`).
+    With `num_system_prompts` K, conversation c opens with system prompt c % K (K apps, each with
+    many users); without, every conversation has its own."""
     if len(arrivals_s) != num_conversations:
         raise ValueError(f"{len(arrivals_s)} arrivals for {num_conversations} conversations")
     rng = np.random.default_rng(seed)
+    systems = [build_prompt(system_tokens, token_pool, rng) for _ in range(num_system_prompts or 0)]
     requests = []
     for c, start_s in enumerate(arrivals_s):
-        prompt = build_prompt(system_tokens, token_pool, rng) + build_prompt(user_tokens, token_pool, rng)
+        system = systems[c % len(systems)] if systems else build_prompt(system_tokens, token_pool, rng)
+        prompt = system + build_prompt(user_tokens, token_pool, rng)
         previous = None
         for t in range(turns):
             request_id = f"conv-{c}-turn-{t}"

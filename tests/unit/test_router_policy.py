@@ -87,3 +87,25 @@ def test_a_report_confirms_dispatches_and_dead_replicas_are_forgotten():
     index.update("b", [1], now_s=1.0)
     index.retain(["a"])
     assert index.replica_ids == {"a"} and index.leading_hits("b", [1], now_s=2.0) == 0
+
+
+def test_oracle_hit_rate_counts_leading_blocks_seen_before():
+    from loadtest.bench_routing import oracle_hit_rate
+    from loadtest.traces import BenchRequest
+
+    shared = tuple(range(100, 148))  # 3 blocks of 16
+    first = BenchRequest("a", shared + (1, 2), 4, 0.0)
+    second = BenchRequest("b", shared + (3, 4), 4, 1.0)
+    whole = BenchRequest("c", shared, 4, 2.0)  # fully cached, but its last token must be computed
+    # Hits: a 0, b 48, c 32 (2 of its 3 blocks) over 50 + 50 + 48 prompt tokens.
+    assert oracle_hit_rate([second, whole, first]) == pytest.approx((48 + 32) / 148)
+
+
+def test_router_args_are_checked_before_deploying():
+    from deployments.app_config import AppArgs
+
+    assert AppArgs.parse({"router": {"policy": "pow2", "seed": 3}}).router["policy"] == "pow2"
+    with pytest.raises(ValueError, match="policy"):
+        AppArgs.parse({"router": {"policy": "nearest"}})
+    with pytest.raises(ValueError, match="routing_stats_period_s"):
+        AppArgs.parse({"routing_stats_period_s": 0})
