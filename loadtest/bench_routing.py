@@ -45,17 +45,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer conversations (under 5 minutes)")
     p.add_argument("--replicas", type=int, default=3)
-    p.add_argument("--conversations", type=int, default=None, help="default 60; quick 24")
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-prompts", type=int, default=4)
-    p.add_argument("--system-tokens", type=int, default=512)
-    p.add_argument("--user-tokens", type=int, default=32)
-    p.add_argument("--answer-tokens", type=int, default=16)
-    p.add_argument("--rate", type=float, default=2.0, help="new conversations per second")
+    p.add_argument("--conversations", type=int, default=None, help="default 40; quick 16")
+    # Chat sessions of 8 turns on 1024-token system prompts, each shared by a few conversations:
+    # the last turn's prompt is 1,760 tokens, of which all but the new user message was sent before.
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--system-prompts", type=int, default=8)
+    p.add_argument("--system-tokens", type=int, default=1024)
+    p.add_argument("--user-tokens", type=int, default=64)
+    p.add_argument("--answer-tokens", type=int, default=32)
+    p.add_argument("--rate", type=float, default=0.5, help="new conversations per second")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV blocks per replica (default: sized from memory, in effect unbounded here)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "routing")
     args = p.parse_args(argv)
-    args.conversations = args.conversations or (24 if args.quick else 60)
+    args.conversations = args.conversations or (16 if args.quick else 40)
     return args
 
 
@@ -134,15 +138,18 @@ def prefix_counters(base: str) -> tuple[dict[str, float], float, float]:
     return per_replica, hits, queries
 
 
-def deploy(policy: str, replicas: int) -> None:
+def deploy(policy: str, replicas: int, kv_blocks: int | None) -> None:
     """A fresh application (new replicas, cold caches) with this routing policy."""
     from ray import serve
 
     from deployments.app import build_app
 
     serve.delete("iterserve")
+    engine_args: dict[str, Any] = {"num_threads": 1}
+    if kv_blocks is not None:
+        engine_args["num_kv_blocks"] = kv_blocks
     args = {"num_replicas": replicas, "router": {"policy": policy}, "routing_stats_period_s": 0.5,
-            "engine_args": {"num_threads": 1}, "admission": {"max_waiting_requests": 100_000}}
+            "engine_args": engine_args, "admission": {"max_waiting_requests": 100_000}}
     serve.run(build_app(args), name="iterserve", route_prefix="/")
 
 
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, policies = [], {}
     try:
         for policy in POLICIES:
-            deploy(policy, args.replicas)
+            deploy(policy, args.replicas, args.kv_blocks)
             run, policies[policy] = run_policy(base, policy, shared)
             runs.append(run)
             if policy == "prefix_aware":
@@ -191,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     notes = [f"command: python -m loadtest.bench_routing {' '.join(argv if argv is not None else sys.argv[1:])}",
              f"{args.replicas} replicas; {args.conversations} conversations x {args.turns} turns, {args.system_prompts} "
              f"system prompts of {args.system_tokens} tokens, {args.user_tokens}-token user turns, "
-             f"{args.answer_tokens}-token answers, {args.rate:g} new conversations/s",
+             f"{args.answer_tokens}-token answers, {args.rate:g} new conversations/s; KV blocks per replica: "
+             f"{args.kv_blocks or 'sized from memory'}",
              f"oracle hit rate {headline['oracle_hit_rate']:.3f}; "
              + "; ".join(f"{p} hit rate {f['hit_rate']:.3f}" for p, f in policies.items()),
              f"total wall time {time.monotonic() - started_s:.0f}s"]
