@@ -73,6 +73,16 @@ def test_requests_sharing_a_prefix_stick_to_one_replica(llm):
     assert hits >= 0.8 * (3 * 7 * 12 * BLOCK), hits  # all but each prefix's first request hit 12 blocks
 
 
+def test_a_burst_without_sharing_spreads_over_the_replicas(llm):
+    """Thirty requests at once, none sharing a block: every decision of the burst comes before the
+    first send, so the router must count its own choices as load."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(10, 4000, 40).tolist() for _ in range(30)]
+    results = asyncio.run(serve_all(llm, prompts, concurrency=30))
+    counts = Counter(r.replica_id for r in results)
+    assert len(counts) == 3 and max(counts.values()) <= 15, counts  # at most 1.5x the mean of 10
+
+
 def test_a_killed_replica_is_dropped_and_the_rest_succeed(llm):
     import ray
 
