@@ -19,13 +19,20 @@ import time
 from collections import deque
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from router.policy import ReplicaSnapshot, RouterConfig, make_policy
 from router.prefix_index import PrefixIndex
 
+# A choice that no send followed within this long (a retry chose again) stops counting as load.
+UNSENT_TTL_S = 1.0
 
-class PrefixAwareRouter(FIFOMixin, RequestRouter):
+
+class PrefixAwareRouter(RequestRouter):
+    """No FIFOMixin: with it, Serve hands the replica chosen for one request to whichever request
+    is oldest in the queue, so a choice made from one prompt's hashes would serve another prompt.
+    The base class gives each decision to the request it was made for."""
+
     def initialize_state(self, policy: str = "prefix_aware", dispatch_ttl_s: float = 10.0, seed: int | None = None,
                          **weights: Any) -> None:
         self.router_config = RouterConfig(policy=policy, **weights)
@@ -35,6 +42,10 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         self._report_seq: dict[str, int] = {}
         # Seconds per decision, for the overhead figure in docs/architecture.md.
         self.decision_times_s: deque[float] = deque(maxlen=10_000)
+        # replica id -> times of choices not sent yet. Serve counts a request against a replica
+        # once it is sent, and a burst's decisions run ahead of the sends: without these, every
+        # request of a burst would see the same loads and pick the same replica.
+        self._unsent: dict[str, deque[float]] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -46,13 +57,21 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         self._fold_reports(by_id, now_s)
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
         hashes = list(getattr(request, "block_hashes", None) or ())
-        snapshots = [self._snapshot(replica_id, r) for replica_id, r in by_id.items()]
+        snapshots = [self._snapshot(replica_id, r, now_s) for replica_id, r in by_id.items()]
         hits = {rid: self.index.leading_hits(rid, hashes, now_s) for rid in by_id} if hashes else {}
         chosen = self.policy.choose(snapshots, hits, len(hashes), _blocks_needed(request, candidate_replicas))
         if hashes:
             self.index.record_dispatch(chosen, hashes, now_s)
+        self._unsent.setdefault(chosen, deque()).append(now_s)
         self.decision_times_s.append(time.perf_counter() - started_s)
         return [[by_id[chosen]]]
+
+    def on_send_request(self, replica_id: Any) -> None:
+        """Serve counts the request against the replica from now on: stop counting it here."""
+        super().on_send_request(replica_id)
+        unsent = self._unsent.get(replica_id.unique_id)
+        if unsent:
+            unsent.popleft()
 
     def _fold_reports(self, by_id: dict[str, RunningReplica], now_s: float) -> None:
         """Take in each replica's newest report once; forget replicas that are gone."""
@@ -66,10 +85,14 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
             self.index.retain(by_id)
             self._report_seq = {k: v for k, v in self._report_seq.items() if k in by_id}
 
-    def _snapshot(self, replica_id: str, replica: RunningReplica) -> ReplicaSnapshot:
+    def _snapshot(self, replica_id: str, replica: RunningReplica, now_s: float) -> ReplicaSnapshot:
         stats = replica.routing_stats or {}
         ongoing = self.replica_queue_len_cache.get(replica.replica_id)
         load = ongoing if ongoing is not None else stats.get("num_waiting", 0) + stats.get("num_running", 0)
+        unsent = self._unsent.get(replica_id)
+        while unsent and unsent[0] < now_s - UNSENT_TTL_S:  # chosen on a try that was not sent
+            unsent.popleft()
+        load += len(unsent or ())
         total = stats.get("num_total_kv_blocks", 0)
         return ReplicaSnapshot(replica_id, int(load), int(stats.get("num_free_kv_blocks", total)), int(total))
 
