@@ -189,7 +189,7 @@ class LLMServer:
         return numbers
 
     async def reset_prefix_cache(self) -> bool:
-        return await self.engine._call(self.engine.engine.reset_prefix_cache)
+        return await self.engine.reset_prefix_cache()
 
     async def metrics_snapshot(self) -> dict[str, Any]:
         stats = await self.engine.stats()

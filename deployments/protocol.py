@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 from model_worker.request import Priority
 from model_worker.sampling_params import SamplingParams
@@ -65,6 +64,3 @@ class ModelInfo:
     eos_token_ids: list[int]
     # Unix time the replica loaded the model (the OpenAI `created` field).
     created: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__}

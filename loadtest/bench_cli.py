@@ -167,6 +167,8 @@ def summary_line(run: dict[str, Any]) -> str:
 
 
 def write_outputs(out_dir: Path, runs: list[dict[str, Any]]) -> None:
+    from loadtest.report import save_runs
+
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "results.jsonl", "w") as f:
         for run in runs:
@@ -174,7 +176,7 @@ def write_outputs(out_dir: Path, runs: list[dict[str, Any]]) -> None:
                 f.write(json.dumps({"run": run["label"], **result}) + "\n")
     (out_dir / "summary.json").write_text(json.dumps([{"label": r["label"], "series": r["series"], "rate": r["rate"],
                                                        **r["summary"]} for r in runs], indent=1))
-    (out_dir / "runs.json").write_text(json.dumps(runs))
+    save_runs(out_dir / "runs.json", runs)
 
 
 def _rate_text(rate: float | None) -> str:

@@ -166,6 +166,11 @@ class AsyncLLMEngine:
         """A consistent snapshot, taken by the engine thread between two steps."""
         return await self._call(lambda: self.engine.stats(include_block_hashes))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, applied between steps; False (and nothing done) while a
+        request is live."""
+        return await self._call(self.engine.reset_prefix_cache)
+
     async def num_leading_cached_blocks(self, block_hashes: Sequence[int]) -> int:
         return await self._call(lambda: self.engine.num_leading_cached_blocks(block_hashes))
 
