@@ -51,6 +51,11 @@ class EngineConfig:
     num_threads: int | None = None
     # How many recent TTFT samples stats() keeps for its percentiles.
     stats_window: int = 1000
+    # Benchmarks only: pad every non-empty step to at least this many seconds, sleeping (not
+    # computing) for the rest, as a GPU step would keep the device, not the host, busy. With it a
+    # replica's capacity is set by its steps, not by the host's cores, so a 2-core machine can show
+    # how 4 replicas scale. The model still runs for real; 0 (the default) is off.
+    emulated_step_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -67,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not (isinstance(self.emulated_step_time_s, (int, float)) and 0 <= self.emulated_step_time_s <= 10):
+            raise ValueError(f"emulated_step_time_s must be in [0, 10], got {self.emulated_step_time_s!r}")
         _choice("batching", self.batching, BATCHING_MODES)
         _choice("device", self.device, DEVICES)
         _choice("dtype", self.dtype, DTYPES)

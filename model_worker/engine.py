@@ -125,6 +125,8 @@ class LLMEngine:
         start_s = self.clock()
         batch = self.scheduler.schedule()
         sampled = self.runner.execute(batch) if not batch.is_empty else []
+        if not batch.is_empty and self.config.emulated_step_time_s > 0:
+            self._pad_step(start_s)
         progressed = self.scheduler.update(batch, sampled)
         outputs = {req.request_id: self._progress_output(req) for req in progressed}
         for request in self.scheduler.take_finished():
@@ -136,6 +138,13 @@ class LLMEngine:
         self._rolling.record_tokens(now_s, len(progressed))
         self.num_generated_tokens_total += len(progressed)
         return list(outputs.values())
+
+    def _pad_step(self, start_s: float) -> None:
+        """Sleep out the rest of the emulated step time: the outputs, and the token timestamps the
+        scheduler stamps next, come when an accelerator's step would have ended."""
+        remaining_s = self.config.emulated_step_time_s - (self.clock() - start_s)
+        if remaining_s > 0:
+            time.sleep(remaining_s)
 
     def _progress_output(self, request: Request) -> RequestOutput:
         token = request.output_token_ids[-1]

@@ -5,7 +5,9 @@ it still lacks (one token when decoding, a chunk of prompt while prefilling), th
 requests in the same order while the token budget, max_num_seqs and free blocks allow. A request
 that needs a block when none is free preempts the lowest-priority, latest-arrived running request
 (possibly itself); the victim's full blocks stay in the prefix cache and it is recomputed later.
-No new request is admitted in a step that preempted.
+No new request is admitted in a step that preempted for blocks. When every seat (max_num_seqs) is
+taken, a waiting request of a more urgent class (interactive over batch) takes the seat of the
+least urgent running one.
 
 In "static" mode (the request-level batching baseline) waiting requests join only when the
 previous batch has entirely finished, and a finished request is reported only then. As in a
@@ -23,7 +25,7 @@ from collections.abc import Callable, Iterable
 from model_worker.batch import ScheduledSequence, SchedulerOutput
 from model_worker.config import SchedulerConfig
 from model_worker.kv_cache_manager import KVCacheManager
-from model_worker.request import Request, RequestStatus
+from model_worker.request import Priority, Request, RequestStatus
 from model_worker.request_queue import RequestQueue
 
 
@@ -139,13 +141,31 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.static and not self.running and not self._held:
             self._admit_static_batch()
+        num_seats_freed = 0 if self.static else self._free_seats_for_urgent(out)
         budget = self._schedule_running(out, budget)
         if self.static and self.running:
             budget = self._schedule_padding(out, budget)
-        if not self.static and not out.preempted_request_ids:
+        if not self.static and len(out.preempted_request_ids) == num_seats_freed:
             budget = self._schedule_waiting(out, budget)
         out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _free_seats_for_urgent(self, out: SchedulerOutput) -> int:
+        """With every seat (max_num_seqs) taken, each waiting request of a more urgent class takes
+        the seat of the least urgent, latest running one, as in vLLM's priority policy: batch work
+        can fill the batch but never keeps an interactive request out of it. The victim goes back
+        to the head of its class, its full blocks still in the prefix cache. Returns the count."""
+        freed = 0
+        while (self.waiting and self.running and len(self.running) >= self.config.max_num_seqs
+               and freed < self._num_waiting_before(self.running[-1].priority)):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_request_ids.append(victim.request_id)
+            freed += 1
+        return freed
+
+    def _num_waiting_before(self, priority: int) -> int:
+        return sum(self.waiting.count(p) for p in Priority if p < priority)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0

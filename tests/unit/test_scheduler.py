@@ -138,6 +138,35 @@ def test_interactive_admitted_before_earlier_batch_request(make_engine):
     assert order == ["running", "interactive", "batch"]
 
 
+def test_interactive_takes_the_seat_of_a_running_batch_request(make_engine):
+    # Batch work fills every seat; an interactive request arriving later is scheduled at the next
+    # step, the latest batch request gives up its seat, and every request still gets its tokens.
+    engine = make_engine(max_num_seqs=2)
+    engine.add_request("batch_a", prompt(6, 1), greedy(20), priority="batch")
+    engine.add_request("batch_b", prompt(6, 2), greedy(20), priority="batch")
+    tokens: dict = {}
+    step_log(engine, 3, tokens)
+    engine.add_request("inter", prompt(6, 3), greedy(5))
+    log = step_log(engine, 1, tokens)
+    assert log[0][0] == {"batch_a", "inter"}
+    assert engine.runner.batches[-1].preempted_request_ids == ["batch_b"]
+    while engine.has_unfinished():
+        step_log(engine, 1, tokens)
+    for rid, seed, n in (("batch_a", 1, 20), ("batch_b", 2, 20), ("inter", 3, 5)):
+        assert tokens[rid] == reference_tokens(prompt(6, seed), n)
+
+
+def test_same_class_never_takes_a_seat(make_engine):
+    engine = make_engine(max_num_seqs=1)
+    engine.add_request("first", prompt(6, 1), greedy(6))
+    engine.step()
+    engine.add_request("second", prompt(6, 2), greedy(6))
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["first"]
+    assert not engine.runner.batches[-1].preempted_request_ids
+    run_to_completion(engine)
+
+
 def test_prefix_cache_hits_cost_no_compute_and_give_same_tokens(make_engine):
     engine = make_engine(num_kv_blocks=256, block_size=4)
     shared = prompt(40, 5)
@@ -281,3 +310,30 @@ def test_reset_prefix_cache_makes_a_replay_start_cold(make_engine):
     result = run_to_completion(engine)
     assert engine.stats()["prefix_cache_hit_tokens"] == 0
     assert result["tokens"]["c"] == reference_tokens(prompt(40, 1), 2)
+
+
+def test_emulated_step_time_pads_each_step_with_a_sleep():
+    # Benchmarks pad steps to an accelerator-like duration. Real clock, fake runner: 6 steps of
+    # 20 ms each take at least 120 ms and the tokens are unchanged.
+    import time
+
+    from model_worker import EngineConfig, LLMEngine
+    from tests.unit.fakes import FakeKVRunner
+
+    engine = LLMEngine(EngineConfig(block_size=4, emulated_step_time_s=0.02),
+                       model_runner=FakeKVRunner(64, 4, 4096, 1000, ()), clock=time.monotonic)
+    engine.add_request("r", prompt(6, 1), greedy(6))
+    tokens: list[int] = []
+    started = time.monotonic()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+    assert time.monotonic() - started >= 6 * 0.02
+    assert tokens == reference_tokens(prompt(6, 1), 6)
+
+
+def test_emulated_step_time_is_validated():
+    from model_worker import EngineConfig
+
+    with pytest.raises(ValueError, match="emulated_step_time_s"):
+        EngineConfig(emulated_step_time_s=-1)
