@@ -1,0 +1,1 @@
+"""Scaling on what users feel: queue length and TTFT; admission control at the ingress."""
