@@ -9,8 +9,10 @@ new work with a 429 once too many admitted requests are still waiting for their 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +26,12 @@ from model_worker.config import EngineConfig
 from model_worker.outputs import RequestOutput
 from model_worker.sampling_params import SamplingParams, SamplingParamsError
 from model_worker.scheduler import RequestRejected
+from model_worker.stats import percentile
 
 PRIORITIES = ("interactive", "batch")
+# The autoscaler's TTFT p90 covers first tokens of the last this many seconds: short enough that a
+# surge shows within seconds, long enough to hold a few dozen samples at a few requests per second.
+TTFT_WINDOW_S = 5.0
 
 
 @dataclass(slots=True)
@@ -58,9 +64,14 @@ class LLMServer:
     def __init__(self, model: str | None = None, engine_args: dict[str, Any] | None = None, *,
                  served_model_name: str | None = None, admission: dict[str, Any] | AdmissionConfig | None = None,
                  engine: AsyncLLMEngine | None = None, replica_id: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, ttft_window_s: float = TTFT_WINDOW_S) -> None:
+        # Seconds from here until the engine could serve, by part (weights, tokenizer, kv_cache)
+        # and in total: what a new replica costs before it takes traffic.
+        started_s = time.perf_counter()
         if engine is None:
             engine = AsyncLLMEngine(_engine_config(model, engine_args))
+        self.load_times_s = {**getattr(engine.engine.runner, "load_times_s", {}),
+                             "total": time.perf_counter() - started_s}
         self.engine = engine
         self.admission = admission if isinstance(admission, AdmissionConfig) else AdmissionConfig(**(admission or {}))
         self.replica_id = replica_id or uuid.uuid4().hex[:8]
@@ -78,6 +89,12 @@ class LLMServer:
         # Admitted requests that have not produced a first token yet, by priority.
         self.num_waiting = dict.fromkeys(PRIORITIES, 0)
         self.num_shed = dict.fromkeys(PRIORITIES, 0)
+        # Admission time of every request still waiting for its first token (the queue's ages),
+        # and (time, TTFT) of first tokens within the last ttft_window_s, for the autoscaler.
+        self._waiting_since_s: dict[int, float] = {}
+        self._request_keys = itertools.count()
+        self.ttft_window_s = ttft_window_s
+        self._recent_ttfts_s: deque[tuple[float, float]] = deque()
         self._report_seq = 0
         self.ttft_s = Histogram(TTFT_BUCKETS_S)
         self.itl_s = Histogram(ITL_BUCKETS_S)
@@ -96,22 +113,26 @@ class LLMServer:
         stream = self._admit(request)
         waiting = True
         self.num_waiting[request.priority] += 1
+        key = next(self._request_keys)
+        self._waiting_since_s[key] = self.clock()
         try:
             yield GenerationChunk(request.request_id, num_prompt_tokens=len(request.prompt_token_ids),
                                   replica_id=self.replica_id)
             async for out in _outputs(stream):
                 chunk = _chunk(out)
                 for later in stream.ready():
-                    _extend(chunk, _chunk(later))
+                    chunk.extend(_chunk(later))
                     out = later
                 if waiting and chunk.token_ids:
                     waiting = False
                     self.num_waiting[request.priority] -= 1
+                    self._first_token(self._waiting_since_s.pop(key))
                 if out.finished:
                     self._observe(out)
                 yield chunk
         finally:
             stream.close()
+            self._waiting_since_s.pop(key, None)
             if waiting:
                 self.num_waiting[request.priority] -= 1
 
@@ -119,7 +140,7 @@ class LLMServer:
         """Run a request to the end and return it as one finished chunk."""
         whole = GenerationChunk(request.request_id)
         async for chunk in self.generate_stream(request):
-            _extend(whole, chunk)
+            whole.extend(chunk)
         return whole
 
     def _admit(self, request: GenerateRequest) -> RequestStream:
@@ -144,6 +165,15 @@ class LLMServer:
             raise not_ready(f"the engine on replica {self.replica_id} is not running: {exc}") from None
         except ValueError as exc:
             raise invalid(None, str(exc)) from None
+
+    def _first_token(self, admitted_s: float) -> None:
+        now_s = self.clock()
+        self._recent_ttfts_s.append((now_s, now_s - admitted_s))
+        self._trim_ttfts(now_s)
+
+    def _trim_ttfts(self, now_s: float) -> None:
+        while self._recent_ttfts_s and self._recent_ttfts_s[0][0] < now_s - self.ttft_window_s:
+            self._recent_ttfts_s.popleft()
 
     def _observe(self, out: RequestOutput) -> None:
         timings = out.timings
@@ -170,7 +200,8 @@ class LLMServer:
             raise RuntimeError(f"the engine thread on replica {self.replica_id} has stopped")
 
     async def ready(self) -> dict[str, Any]:
-        return {"replica": self.replica_id, "model_loaded": True, "engine_running": self.engine.is_running}
+        return {"replica": self.replica_id, "model_loaded": True, "engine_running": self.engine.is_running,
+                "load_times_s": dict(self.load_times_s)}
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Replica stats for the request router, polled by the Serve controller: load, free KV
@@ -181,12 +212,27 @@ class LLMServer:
                 **{k: v for k, v in stats.items() if not isinstance(v, dict)}}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Numbers only: Serve drops a replica's custom metrics if any value is not int or float."""
+        """What the autoscaler (autoscaler/serve_policy.py) scales on: the queue (admitted requests
+        without a first token, and the oldest one's age), running requests, TTFT p90 over the last
+        ttft_window_s (absent when no first token came in it), KV usage. Numbers only: Serve drops
+        a replica's custom metrics if any value is not int or float."""
         stats = await self.engine.stats()
-        numbers = {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        numbers["num_waiting_first_token"] = sum(self.num_waiting.values())
+        # The engine's own TTFT percentiles cover its last N requests, however old: left out.
+        numbers = {k: v for k, v in stats.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("ttft_p")}
+        numbers.update(self.queue_stats())
         numbers["num_shed"] = sum(self.num_shed.values())
         return numbers
+
+    def queue_stats(self) -> dict[str, float]:
+        now_s = self.clock()
+        self._trim_ttfts(now_s)
+        stats = {"num_waiting_first_token": float(len(self._waiting_since_s)),
+                 "oldest_wait_s": now_s - min(self._waiting_since_s.values()) if self._waiting_since_s else 0.0}
+        p90 = percentile([ttft for _, ttft in self._recent_ttfts_s], 90)
+        if p90 is not None:
+            stats["ttft_p90_s"] = p90
+        return stats
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
@@ -215,21 +261,6 @@ async def _outputs(stream: RequestStream) -> AsyncIterator[RequestOutput]:
         raise
     except Exception as exc:
         raise internal(f"generation failed: {type(exc).__name__}: {exc}") from None
-
-
-def _extend(chunk: GenerationChunk, later: GenerationChunk) -> None:
-    """Fold a later chunk of the same request into `chunk`: texts and tokens add up, the rest is
-    the later one's."""
-    chunk.text += later.text
-    chunk.token_ids.extend(later.token_ids)
-    chunk.finished = later.finished
-    chunk.finish_reason = later.finish_reason
-    chunk.stop_reason = later.stop_reason
-    chunk.num_prompt_tokens = later.num_prompt_tokens
-    chunk.num_output_tokens = later.num_output_tokens
-    chunk.num_cached_tokens = later.num_cached_tokens
-    chunk.metrics = later.metrics
-    chunk.replica_id = later.replica_id or chunk.replica_id
 
 
 def _chunk(out: RequestOutput) -> GenerationChunk:
@@ -287,4 +318,10 @@ def _families(server: LLMServer, stats: dict[str, Any]) -> list[dict[str, Any]]:
                     [({}, stats["num_preemptions"])]),
         family_dict("iterserve_requests_shed_total", "counter", "Requests refused with 429 under overload.",
                     [({"priority": p}, n) for p, n in server.num_shed.items()]),
+        family_dict("iterserve_model_load_seconds", "gauge",
+                    "Seconds this replica spent loading before it could serve, by part.",
+                    [({"part": part}, seconds) for part, seconds in server.load_times_s.items()]),
+        family_dict("iterserve_oldest_waiting_seconds", "gauge",
+                    "Age of the oldest request still waiting for its first token.",
+                    [({}, server.queue_stats()["oldest_wait_s"])]),
     ]

@@ -69,10 +69,28 @@ class OpenAIService:
         for state, count in sorted((await self.backend.replica_states()).items()):
             exposition.add("iterserve_replicas", "gauge", "LLMServer replicas by state.",
                            {"model_name": self.info.served_model_name, "state": state}, count)
+        admission = getattr(self.backend, "admission", None)
+        if admission is not None:
+            self._add_admission(exposition, admission.snapshot())
         for (endpoint, status), count in sorted(self.http_responses.items()):
             exposition.add("iterserve_http_responses_total", "counter", "HTTP responses by endpoint and status.",
                            {"ingress": self.ingress_id, "endpoint": endpoint, "status": str(status)}, count)
         return exposition.render()
+
+    def _add_admission(self, exposition: Exposition, snapshot: dict[str, float]) -> None:
+        """The ingress's admission control (autoscaler/admission.py), labelled by ingress replica."""
+        labels = {"model_name": self.info.served_model_name, "ingress": self.ingress_id}
+        for priority in ("interactive", "batch"):
+            by_priority = {**labels, "priority": priority}
+            exposition.add("iterserve_ingress_requests_waiting", "gauge",
+                           "Requests this ingress sent that have no first token yet.", by_priority,
+                           snapshot[f"num_waiting_{priority}"])
+            exposition.add("iterserve_ingress_requests_shed_total", "counter",
+                           "Requests this ingress refused with 429 before sending them.", by_priority,
+                           snapshot[f"num_shed_{priority}"])
+        exposition.add("iterserve_ingress_predicted_wait_seconds", "gauge",
+                       "Wait for a first token this ingress predicts for a new request.", labels,
+                       snapshot["predicted_wait_s"])
 
     def record_response(self, endpoint: str, status: int) -> None:
         key = (endpoint, status)

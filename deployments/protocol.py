@@ -52,6 +52,20 @@ class GenerationChunk:
     # The LLMServer replica that served the request (routing tests and debugging).
     replica_id: str | None = None
 
+    def extend(self, later: "GenerationChunk") -> None:
+        """Fold a later chunk of the same request into this one: texts and tokens add up, the rest
+        is the later one's."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        self.finished = later.finished
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
+        self.num_prompt_tokens = later.num_prompt_tokens
+        self.num_output_tokens = later.num_output_tokens
+        self.num_cached_tokens = later.num_cached_tokens
+        self.metrics = later.metrics
+        self.replica_id = later.replica_id or self.replica_id
+
 
 @dataclass(slots=True)
 class ModelInfo:
