@@ -10,6 +10,7 @@ hashes, priority), so a request router on LLMServer sees real request objects.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +20,9 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from autoscaler.admission import AdmissionPolicy
+from autoscaler.serve_policy import autoscaling_config
+from deployments.admitted_backend import AdmittedBackend
 from deployments.errors import APIError, internal, not_ready, overloaded
 from deployments.frontend import OpenAIFrontend
 from deployments.app_config import AppArgs
@@ -34,9 +38,19 @@ BROADCAST_TIMEOUT_S = 5.0
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """The application for `serve run` / `serve deploy` (import path deployments.app:build_app)."""
     app_args = AppArgs.parse(args)
+    if app_args.autoscaling is not None:
+        scaling: dict[str, Any] = {"autoscaling_config": autoscaling_config(**app_args.autoscaling)}
+        most_replicas = scaling["autoscaling_config"]["max_replicas"]
+    else:
+        scaling = {"num_replicas": app_args.num_replicas or 1}
+        most_replicas = scaling["num_replicas"]
     server = serve.deployment(LLMServerDeployment).options(
         name=LLM_SERVER,
-        num_replicas=app_args.num_replicas,
+        **scaling,
+        # Draining: a replica being removed takes no new requests and gets drain_timeout_s to
+        # finish the ones it runs (streams included), checked every second.
+        graceful_shutdown_timeout_s=app_args.drain_timeout_s,
+        graceful_shutdown_wait_loop_s=1.0,
         ray_actor_options=app_args.llm_server_actor_options,
         max_ongoing_requests=app_args.max_ongoing_requests,
         max_queued_requests=app_args.max_queued_requests,
@@ -51,9 +65,10 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     ingress = OpenAIIngress.options(
         num_replicas=app_args.ingress_replicas,
         ray_actor_options=app_args.ingress_actor_options,
-        max_ongoing_requests=max(1024, app_args.max_ongoing_requests * app_args.num_replicas),
+        max_ongoing_requests=max(1024, app_args.max_ongoing_requests * most_replicas),
     )
-    return ingress.bind(server, app_args.model, app_args.engine_args.get("tokenizer"), app_args.api_key)
+    return ingress.bind(server, app_args.model, app_args.engine_args.get("tokenizer"), app_args.api_key,
+                        app_args.ingress_admission)
 
 
 class LLMServerDeployment(LLMServer):
@@ -127,11 +142,13 @@ class HandleBackend:
 @serve.ingress()
 class OpenAIIngress(OpenAIFrontend):
     def __init__(self, llm_server: DeploymentHandle, model: str | None, tokenizer: str | None,
-                 api_key: str | None) -> None:
+                 api_key: str | None, admission: dict[str, Any] | None = None) -> None:
         context = serve.get_replica_context()
         source = tokenizer or model
-        super().__init__(HandleBackend(llm_server, context.app_name), lambda: _load_tokenizer(source),
-                         api_key=api_key, ingress_id=context.replica_id.unique_id)
+        backend = AdmittedBackend(HandleBackend(llm_server, context.app_name), AdmissionPolicy(**(admission or {})),
+                                  time.monotonic)
+        super().__init__(backend, lambda: _load_tokenizer(source), api_key=api_key,
+                         ingress_id=context.replica_id.unique_id)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.asgi_app()

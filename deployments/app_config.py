@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from autoscaler.admission import AdmissionPolicy
+from autoscaler.policy import AutoscalerConfig
 from deployments.llm_server import AdmissionConfig
 from router.policy import RouterConfig
 
@@ -20,12 +22,24 @@ class AppArgs:
     served_model_name: str | None = None
     # EngineConfig fields (max_num_seqs, device, dtype, ...), passed to every LLMServer replica.
     engine_args: dict[str, Any] = field(default_factory=dict)
-    num_replicas: int = 1
+    # A fixed number of LLMServer replicas (None: 1), or `autoscaling` instead.
+    num_replicas: int | None = None
+    # Scale LLMServer on queue length and TTFT (autoscaler/): min_replicas, max_replicas,
+    # initial_replicas and the AutoscalerConfig fields (target_queue_per_replica, ttft_slo_s,
+    # warm_spares, scale_up_delay_s, scale_down_delay_s, ...). None: a fixed count.
+    autoscaling: dict[str, Any] | None = None
     ingress_replicas: int = 1
     # Without `Authorization: Bearer <api_key>` every endpoint but /health answers 401.
     api_key: str | None = None
-    # AdmissionConfig fields: when a replica refuses work with 429.
+    # AdmissionConfig fields: when a replica refuses work with 429 (the backstop behind the
+    # ingress's own admission control).
     admission: dict[str, Any] = field(default_factory=dict)
+    # AdmissionPolicy fields (autoscaler/admission.py): the ingress's bounded queue, and the
+    # predicted wait past which batch requests get 429 first.
+    ingress_admission: dict[str, Any] = field(default_factory=dict)
+    # A replica being removed (scale-down, redeploy) takes no new requests and gets this long to
+    # finish its running ones before it stops; requests still running then are aborted.
+    drain_timeout_s: float = 60.0
     # Ray resources per replica. num_cpus 0 lets small machines run several replicas; a GPU
     # deployment sets {"num_gpus": 1}.
     llm_server_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
@@ -42,19 +56,30 @@ class AppArgs:
     routing_stats_period_s: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("num_replicas", "ingress_replicas", "max_ongoing_requests"):
+        if self.autoscaling is not None and self.num_replicas is not None:
+            raise ValueError("give num_replicas or autoscaling, not both")
+        for name in ("ingress_replicas", "max_ongoing_requests") + (("num_replicas",) if self.num_replicas is not None
+                                                                    else ()):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.max_queued_requests, int) or not (self.max_queued_requests == -1
                                                                  or self.max_queued_requests >= 1):
             raise ValueError(f"max_queued_requests must be -1 or >= 1, got {self.max_queued_requests!r}")
-        if not (isinstance(self.routing_stats_period_s, (int, float)) and self.routing_stats_period_s > 0):
-            raise ValueError(f"routing_stats_period_s must be > 0, got {self.routing_stats_period_s!r}")
-        for name in ("engine_args", "admission", "llm_server_actor_options", "ingress_actor_options", "router"):
+        for name in ("routing_stats_period_s", "drain_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        for name in ("engine_args", "admission", "ingress_admission", "llm_server_actor_options",
+                     "ingress_actor_options", "router"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
+        if self.autoscaling is not None:
+            if not isinstance(self.autoscaling, dict):
+                raise ValueError(f"autoscaling must be a mapping, got {self.autoscaling!r}")
+            AutoscalerConfig(**{k: v for k, v in self.autoscaling.items() if k != "initial_replicas"})
         AdmissionConfig(**self.admission)
+        AdmissionPolicy(**self.ingress_admission)
         router = {k: v for k, v in self.router.items() if k not in ("dispatch_ttl_s", "seed")}
         RouterConfig(**router)
 

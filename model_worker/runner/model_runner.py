@@ -51,12 +51,18 @@ class TorchModelRunner:
             from model_worker.default_model import default_model_path
 
             model = default_model_path()
+        # Seconds each part of loading took: what a new replica waits for before serving.
+        self.load_times_s: dict[str, float] = {}
+        started_s = time.perf_counter()
         checkpoint = load_checkpoint(model, self.device, self.dtype)
+        self.load_times_s["weights"] = time.perf_counter() - started_s
         self.model_path = checkpoint.path
         self.spec = checkpoint.spec
         # Rows of the logits; token ids the model accepts are [0, vocab_size).
         self.vocab_size = checkpoint.spec.vocab_size
+        started_s = time.perf_counter()
         self.tokenizer = load_tokenizer(config.tokenizer or checkpoint.path)
+        self.load_times_s["tokenizer"] = time.perf_counter() - started_s
         self.eos_token_ids = load_eos_token_ids(checkpoint.path, checkpoint.hf_config, self.tokenizer)
         self.max_model_len = self._resolve_max_model_len(config.max_model_len)
         self.block_size = config.block_size
@@ -66,8 +72,10 @@ class TorchModelRunner:
         # Cumulative seconds: the model forward (attention included), and all of execute().
         self.forward_time_s = 0.0
         self.execute_time_s = 0.0
+        started_s = time.perf_counter()
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_kv_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+        self.load_times_s["kv_cache"] = time.perf_counter() - started_s
 
     def _resolve_max_model_len(self, requested: int | None) -> int:
         spec = self.spec

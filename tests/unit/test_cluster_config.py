@@ -27,8 +27,8 @@ CPU_SERVE_CONFIG = REPO / "deployments" / "serve_config.yaml"
 IMPORT_PATH = "deployments.app:build_app"
 TORCH_PIN = "torch==2.13.0"
 # The build_app arguments the GPU config sets; AppArgs accepts more.
-GPU_CONFIG_ARGS = {"model", "served_model_name", "num_replicas", "ingress_replicas", "api_key", "engine_args",
-                   "llm_server_actor_options", "ingress_actor_options", "admission"}
+GPU_CONFIG_ARGS = {"model", "served_model_name", "autoscaling", "ingress_replicas", "api_key", "engine_args",
+                   "llm_server_actor_options", "ingress_actor_options", "admission", "ingress_admission"}
 
 
 def _ray_package_dir() -> Path | None:

@@ -10,7 +10,7 @@ from deployments.app_config import AppArgs
 from deployments.llm_server import AdmissionConfig, LLMServer, _engine_config
 from deployments.protocol import GenerateRequest
 from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
-from tests.unit.fakes import FakeKVRunner, reference_tokens
+from tests.unit.fakes import FakeClock, FakeKVRunner, reference_tokens
 
 
 def make_server(max_model_len: int = 256, **admission) -> LLMServer:
@@ -39,6 +39,39 @@ def test_hooks_report_engine_state_in_the_types_serve_accepts():
     assert all(type(v) in (int, float) for v in autoscaling.values()), autoscaling
     assert autoscaling["num_waiting_first_token"] == 1 and autoscaling["num_total_kv_blocks"] == 64
     assert routing["replica"] == "r0" and routing["block_size"] == 4 and routing["num_total_kv_blocks"] == 64
+
+
+def test_autoscaling_stats_see_the_queue_age_and_a_windowed_ttft_p90():
+    # A fake clock: the held request's age grows before any first token exists (the autoscaler
+    # sees queue time), its first token lands in the TTFT window, and the window forgets it.
+    clock = FakeClock(100.0)
+    engine = LLMEngine(EngineConfig(block_size=4), model_runner=FakeKVRunner(64, 4, 256, 300))
+    server = LLMServer(engine=AsyncLLMEngine(engine=engine), served_model_name="m", replica_id="r0",
+                       clock=clock, ttft_window_s=5.0)
+
+    async def main():
+        stream = server.generate_stream(GenerateRequest([5, 6, 7, 8], SamplingParams(max_tokens=2)))
+        await stream.__anext__()  # admitted, no token yet
+        clock.advance(3.0)
+        waiting = await server.record_autoscaling_stats()
+        async for chunk in stream:
+            if chunk.token_ids:
+                break
+        first = await server.record_autoscaling_stats()
+        await stream.aclose()
+        clock.advance(6.0)
+        later = await server.record_autoscaling_stats()
+        return waiting, first, later
+
+    try:
+        waiting, first, later = asyncio.run(main())
+    finally:
+        server.shutdown()
+    assert waiting["oldest_wait_s"] == 3.0 and waiting["num_waiting_first_token"] == 1
+    assert "ttft_p90_s" not in waiting
+    assert first["ttft_p90_s"] == 3.0 and first["oldest_wait_s"] == 0.0 and first["num_waiting_first_token"] == 0
+    assert "ttft_p90_s" not in later
+    assert server.load_times_s["total"] >= 0
 
 
 def test_model_info_limits_context_to_the_whole_cache():
