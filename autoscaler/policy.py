@@ -9,6 +9,9 @@ is a pressure, a ratio to its target (> 1: over target), over the replicas that 
 - ttft: the mean over replicas of max(TTFT p90, age of the oldest waiting request), over
   ttft_slo_s. The age sees queueing before any first token comes out, which the TTFT of requests
   that already have one cannot.
+- spares (only with warm_spares): replicas whose seats the running requests fill, over demand.
+  Over 1, the spares are serving load that demand does not cover yet: scale up to keep them spare
+  before any queue builds (a spare that absorbs a surge would otherwise delay its detection).
 - kv: the fullest replica's KV usage over kv_high. Past kv_high it counts as over target only when
   that replica has requests waiting; otherwise it is capped at 1: a full cache with an empty queue
   is a well-packed batch, not a shortage.
@@ -16,8 +19,11 @@ is a pressure, a ratio to its target (> 1: over target), over the replicas that 
 pressure = the largest. The rules move `demand`, the replicas the load needs; warm spares go on top:
 
 - up: pressure > 1 held for scale_up_delay_s, or at once when pressure >= panic_threshold (AIBrix's
-  KPA panic window). The load needs ceil(reporting * min(pressure, max_scale_up_factor)) replicas
-  (those reporting include any spares), and a decision adds at least one. If the replicas already
+  KPA panic window). The load needs the larger of ceil(reporting * pressure) and the seats it
+  occupies: (running + waiting) over the running count of the replicas that have a queue, which
+  are full. The queue ratio alone understates a surge (the queue it sees has only begun to build);
+  the seat count sizes the backlog at once. Bounded by reporting * max_scale_up_factor (those
+  reporting include any spares), and a decision adds at least one. If the replicas already
   asked for cover that (some still loading weights), hold and restart the pressure clock, so the
   loading replicas get a full delay of reports before they are judged: this stops a slow weight
   load from piling up replicas.
@@ -37,8 +43,9 @@ admits a few waiting prefills per step, so 4 waiting clear in a step or two; mor
 ttft_slo_s 1.0: chat users notice a pause past about a second. warm_spares 0: a spare costs a GPU;
 set 1 when bursts must not wait for a weight load. scale_up_delay_s 2: ignores a one-sample burst,
 and is short next to the minute a new replica takes to load. panic_threshold 2: twice the target
-is not noise, and waiting only grows the queue (KPA panics at 200% too). max_scale_up_factor 2: a
-burst overstates the lasting load; doubling per decision still reaches 8 from 1 in three.
+is not noise, and waiting only grows the queue (KPA panics at 200% too). max_scale_up_factor 4: a
+backlog overstates the lasting load a little, but a new replica takes tens of seconds to load,
+and doubling per load (1, 2, 4) measured a minute to absorb a 4x step that one decision can size.
 scale_down_delay_s 30: covers the gaps between bursts, since a replica removed too early costs a
 weight load when the load returns. low_water 0.5: removing one of n >= 2 replicas raises each
 one's load by n / (n - 1) <= 2, so a step down from under half the target cannot itself push
@@ -71,6 +78,8 @@ class ReplicaLoad:
     oldest_wait_s: float = 0.0
     # Fraction of KV blocks in use, 0..1.
     kv_usage: float = 0.0
+    # Requests the replica can run at once (the engine's max_num_seqs); 0: not reported.
+    num_seats: int = 0
 
 
 def _is_number(value: object) -> bool:
@@ -100,7 +109,7 @@ class AutoscalerConfig:
     warm_spares: int = 0  # loaded replicas kept beyond demand
     scale_up_delay_s: float = 2.0  # pressure must hold this long before a normal scale-up...
     panic_threshold: float = 2.0  # ...unless pressure >= this: scale up at once
-    max_scale_up_factor: float = 2.0  # one decision needs at most this times the reporting replicas
+    max_scale_up_factor: float = 4.0  # one decision needs at most this times the reporting replicas
     scale_down_delay_s: float = 30.0  # calm must hold this long before one replica goes
     low_water: float = 0.5  # calm: every pressure below this
     kv_high: float = 0.95  # KV usage above this, with requests waiting, is pressure too
@@ -151,11 +160,14 @@ def decide(loads: Sequence[ReplicaLoad], target_replicas: int, now_s: float, con
         return Decision(held, AutoscalerState(demand, None, None, state.last_scale_up_s), 0.0,
                         "hold: no replica reporting")
     pressures = _pressures(loads, config)
+    occupied = _occupied(loads) if config.warm_spares else 0
+    if occupied > demand:  # the spares are taking load: demand has grown before any queue shows it
+        pressures["spares"] = occupied / max(demand, 1)
     pressure = max(pressures.values())
     if pressure > 1:
-        demand, state, reason = _scale_up(loads, target_replicas, now_s, config, state, demand, pressures)
+        demand, state, reason = _scale_up(loads, target_replicas, now_s, config, state, demand, pressures, occupied)
     elif pressure < config.low_water:
-        demand, state, reason = _scale_down(loads, now_s, config, state, demand)
+        demand, state, reason = _scale_down(loads, now_s, config, state, demand, occupied)
     else:
         state, reason = AutoscalerState(demand, None, None, state.last_scale_up_s), "hold"
     num_replicas = _clamp(demand + config.warm_spares, config.min_replicas, config.max_replicas)
@@ -177,14 +189,18 @@ def _pressures(loads: Sequence[ReplicaLoad], config: AutoscalerConfig) -> dict[s
 
 
 def _scale_up(loads: Sequence[ReplicaLoad], target_replicas: int, now_s: float, config: AutoscalerConfig,
-              state: AutoscalerState, demand: int, pressures: dict[str, float]) -> tuple[int, AutoscalerState, str]:
+              state: AutoscalerState, demand: int, pressures: dict[str, float],
+              occupied: int) -> tuple[int, AutoscalerState, str]:
     pressure = max(pressures.values())
     since_s = now_s if state.pressure_since_s is None else state.pressure_since_s
     panic = pressure >= config.panic_threshold
     if not panic and now_s - since_s < config.scale_up_delay_s:
         waiting = AutoscalerState(demand, since_s, None, state.last_scale_up_s)
         return demand, waiting, f"hold: pressure {pressure:.2f} for {now_s - since_s:.1f} s"
-    needed = math.ceil(len(loads) * min(pressure, config.max_scale_up_factor) - _CEIL_SLACK)
+    load_pressure = max(v for k, v in pressures.items() if k != "spares")
+    proportional = _proportional_need(loads, load_pressure) if load_pressure > 1 else 0
+    needed = max(min(max(proportional, _seat_need(loads)),
+                     math.ceil(len(loads) * config.max_scale_up_factor - _CEIL_SLACK)), occupied)
     if needed + config.warm_spares <= target_replicas:
         loading = AutoscalerState(demand, now_s, None, state.last_scale_up_s)
         return demand, loading, f"hold: {target_replicas - len(loads)} asked-for replicas still loading"
@@ -195,6 +211,30 @@ def _scale_up(loads: Sequence[ReplicaLoad], target_replicas: int, now_s: float, 
     return new_demand, AutoscalerState(new_demand, None, None, now_s), f"{verb}: {_why(pressures, config)}"
 
 
+def _proportional_need(loads: Sequence[ReplicaLoad], pressure: float) -> int:
+    return math.ceil(len(loads) * pressure - _CEIL_SLACK)
+
+
+def _occupied(loads: Sequence[ReplicaLoad]) -> int:
+    """Replicas whose seats the running requests fill (at the reported seats per replica); 0 when
+    no replica reports its seats."""
+    seats = [r.num_seats for r in loads if r.num_seats > 0]
+    if not seats:
+        return 0
+    return math.ceil(sum(r.num_running for r in loads) / (sum(seats) / len(seats)) - _CEIL_SLACK)
+
+
+def _seat_need(loads: Sequence[ReplicaLoad]) -> int:
+    """Replicas that would seat every request now running or waiting, at the running count of the
+    replicas that have a queue (a replica with requests waiting runs as many as it can hold). 0
+    when no replica has a queue: then nothing says what a replica holds."""
+    full = [r.num_running for r in loads if r.num_waiting > 0 and r.num_running > 0]
+    if not full:
+        return 0
+    seats = sum(full) / len(full)
+    return math.ceil(sum(r.num_running + r.num_waiting for r in loads) / seats - _CEIL_SLACK)
+
+
 def _why(pressures: dict[str, float], config: AutoscalerConfig) -> str:
     name = max(pressures, key=pressures.__getitem__)
     if name == "queue":
@@ -202,11 +242,13 @@ def _why(pressures: dict[str, float], config: AutoscalerConfig) -> str:
         return f"{per_replica:.1f} waiting/replica over target {config.target_queue_per_replica:g}"
     if name == "ttft":
         return f"ttft {pressures['ttft'] * config.ttft_slo_s:.2f} s over slo {config.ttft_slo_s:g} s"
+    if name == "spares":
+        return f"spares in use: running requests fill {pressures['spares']:.1f}x the demand's seats"
     return f"kv {pressures['kv'] * config.kv_high:.0%} full with requests waiting"
 
 
 def _scale_down(loads: Sequence[ReplicaLoad], now_s: float, config: AutoscalerConfig, state: AutoscalerState,
-                demand: int) -> tuple[int, AutoscalerState, str]:
+                demand: int, occupied: int) -> tuple[int, AutoscalerState, str]:
     since_s = now_s if state.calm_since_s is None else state.calm_since_s
     calm_s = now_s - since_s
     # Implied by the calm clock (a scale-up needs pressure > 1, which restarts it), but kept so that
@@ -215,7 +257,10 @@ def _scale_down(loads: Sequence[ReplicaLoad], now_s: float, config: AutoscalerCo
     if min(calm_s, after_up_s) < config.scale_down_delay_s or demand <= config.min_replicas:
         return demand, AutoscalerState(demand, None, since_s, state.last_scale_up_s), f"hold: calm for {calm_s:.0f} s"
     idle = all(r.num_waiting == 0 and r.num_running == 0 for r in loads)
-    new_demand = config.min_replicas if idle else demand - 1
+    # Never below the replicas whose seats are busy: the spares stay spare.
+    new_demand = config.min_replicas if idle else max(demand - 1, occupied, config.min_replicas)
+    if new_demand == demand:
+        return demand, AutoscalerState(demand, None, since_s, state.last_scale_up_s), "hold: the seats are busy"
     reason = "idle: to min" if idle else f"down: calm for {calm_s:.0f} s"
     return new_demand, AutoscalerState(new_demand, None, now_s, state.last_scale_up_s), reason
 

@@ -71,6 +71,7 @@ def replica_loads(raw_metrics: Mapping[str, Mapping[Any, Sequence[Any]]], runnin
             ttft_p90_s=ttft[1] if ttft is not None and ttft[0] >= report_s else None,
             oldest_wait_s=_value(newest.get("oldest_wait_s")),
             kv_usage=_value(newest.get("kv_usage")),
+            num_seats=int(_value(newest.get("num_seats"))),
         ))
     return loads
 
@@ -86,8 +87,10 @@ def autoscaling_config(min_replicas: int, max_replicas: int, initial_replicas: i
         "metrics_interval_s": METRICS_INTERVAL_S, "look_back_period_s": LOOK_BACK_PERIOD_S,
         "policy": {"policy_function": f"{__name__}:QueueTTFTPolicy", "policy_kwargs": dict(policy)},
     }
-    if initial_replicas is not None:
-        config["initial_replicas"] = initial_replicas
+    # Start with the spares already loaded, not one decision later.
+    spares = policy.get("warm_spares", 0)
+    config["initial_replicas"] = initial_replicas if initial_replicas is not None else min(min_replicas + spares,
+                                                                                         max_replicas)
     return config
 
 

@@ -149,6 +149,7 @@ class OpenAIIngress(OpenAIFrontend):
                                   time.monotonic)
         super().__init__(backend, lambda: _load_tokenizer(source), api_key=api_key,
                          ingress_id=context.replica_id.unique_id)
+        self.load_tokenizer_now()
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.asgi_app()

@@ -41,6 +41,12 @@ class OpenAIFrontend:
         self._model_info_timeout_s = model_info_timeout_s
         self._service: OpenAIService | None = None
         self._service_lock = asyncio.Lock()
+        self._tokenizer: Any = None
+
+    def load_tokenizer_now(self) -> None:
+        """Load the tokenizer before serving (the ingress constructor calls this), so that the
+        first request does not wait seconds for it."""
+        self._tokenizer = self._load_tokenizer()
 
     async def service(self) -> OpenAIService:
         if self._service is not None:
@@ -51,7 +57,9 @@ class OpenAIFrontend:
                     info = await asyncio.wait_for(self.backend.model_info(), self._model_info_timeout_s)
                 except (asyncio.TimeoutError, TimeoutError):
                     raise not_ready("no model replica is ready yet; retry shortly") from None
-                tokenizer = await asyncio.to_thread(self._load_tokenizer)
+                tokenizer = self._tokenizer
+                if tokenizer is None:
+                    tokenizer = await asyncio.to_thread(self._load_tokenizer)
                 self._service = OpenAIService(self.backend, tokenizer, info, self._ingress_id)
         return self._service
 

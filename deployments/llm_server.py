@@ -68,9 +68,12 @@ class LLMServer:
         # Seconds from here until the engine could serve, by part (weights, tokenizer, kv_cache)
         # and in total: what a new replica costs before it takes traffic.
         started_s = time.perf_counter()
+        imports_s: dict[str, float] = {}
         if engine is None:
+            _import_model_code()
+            imports_s["imports"] = time.perf_counter() - started_s
             engine = AsyncLLMEngine(_engine_config(model, engine_args))
-        self.load_times_s = {**getattr(engine.engine.runner, "load_times_s", {}),
+        self.load_times_s = {**imports_s, **getattr(engine.engine.runner, "load_times_s", {}),
                              "total": time.perf_counter() - started_s}
         self.engine = engine
         self.admission = admission if isinstance(admission, AdmissionConfig) else AdmissionConfig(**(admission or {}))
@@ -222,6 +225,7 @@ class LLMServer:
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("ttft_p")}
         numbers.update(self.queue_stats())
         numbers["num_shed"] = sum(self.num_shed.values())
+        numbers["num_seats"] = self.engine.engine.scheduler.config.max_num_seqs
         return numbers
 
     def queue_stats(self) -> dict[str, float]:
@@ -273,6 +277,13 @@ def _chunk(out: RequestOutput) -> GenerationChunk:
         chunk.metrics = {"ttft_s": timings.ttft_s, "queue_s": timings.queue_s,
                          "e2e_s": None if timings.finished_s is None else timings.finished_s - timings.arrival_s}
     return chunk
+
+
+def _import_model_code() -> None:
+    """torch and transformers, imported here so that a replica's load times tell the imports (a
+    fixed cost of a new process) from reading the weights."""
+    import model_worker.runner.model_runner  # noqa: F401  (torch)
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig  # noqa: F401  (the family we run)
 
 
 def _engine_config(model: str | None, engine_args: dict[str, Any] | None) -> EngineConfig:

@@ -92,7 +92,7 @@ def test_kv_nearly_full_counts_only_with_requests_waiting():
 
 
 def test_panic_scales_at_once_bounded_by_the_factor_and_max_replicas():
-    config = AutoscalerConfig()  # panic at 2, at most 2x per decision
+    config = AutoscalerConfig(max_scale_up_factor=2.0)  # panic at 2, at most 2x per decision
     assert run(config, replicas(2, waiting=20), [0], target=2) == [4]  # pressure 5, capped at 2x
     assert run(config, replicas(2, waiting=8), [0], target=2) == [4]  # exactly the threshold
     assert run(config, replicas(2, waiting=7), [0, 1, 2], target=2) == [2, 2, 4]  # 1.75 waits the delay
@@ -102,8 +102,22 @@ def test_panic_scales_at_once_bounded_by_the_factor_and_max_replicas():
     assert decide(replicas(2, waiting=20), 2, 0.0, config).reason == "panic: 20.0 waiting/replica over target 4"
 
 
+def test_a_surge_is_sized_by_the_seats_it_occupies():
+    # One replica holds 4 running and has 12 waiting: the queue ratio (12 / 4 = 3) says 3 replicas,
+    # the seats say 16 / 4 = 4, and one decision asks for 4 (the default factor allows 4x).
+    surge = [ReplicaLoad("r0", 12, 4, None)]
+    decision = decide(surge, 1, 0.0, AutoscalerConfig())
+    assert decision.num_replicas == 4 and decision.reason.startswith("panic")
+    # Bounded by the factor: 40 waiting would seat on 11, but one decision goes to 4x at most.
+    assert decide([ReplicaLoad("r0", 40, 4, None)], 1, 0.0, AutoscalerConfig()).num_replicas == 4
+    assert decide([ReplicaLoad("r0", 40, 4, None)], 1, 0.0, AutoscalerConfig(max_scale_up_factor=2.0)).num_replicas == 2
+    # Without a queue anywhere, seats say nothing: a TTFT breach alone scales proportionally.
+    slow = [ReplicaLoad(f"r{i}", 0, 2, 1.5) for i in range(2)]
+    assert decide(slow, 2, 0.0, AutoscalerConfig(scale_up_delay_s=0)).num_replicas == 3
+
+
 def test_no_more_replicas_while_those_asked_for_are_still_loading():
-    config = AutoscalerConfig()
+    config = AutoscalerConfig(max_scale_up_factor=2.0)
     # 24 waiting in all. The replicas asked for at t=0 load weights for a minute; meanwhile only
     # the first two report, with 12 waiting each (pressure 3: panic) at every sample.
     def load(now_s: float, target: int) -> list[ReplicaLoad]:
@@ -215,7 +229,7 @@ def test_idle_goes_straight_to_min_and_the_bounds_always_hold():
 
 
 def test_no_scale_down_within_the_delay_after_a_scale_up():
-    config = AutoscalerConfig()
+    config = AutoscalerConfig(max_scale_up_factor=2.0)
     # Panic to 4 at t=0, then the load vanishes: calm from t=1, but nothing goes before t=31.
     vanishing: Load = lambda now_s, target: replicas(target, waiting=20 if now_s == 0 else 0)
     assert run(config, vanishing, [0, 1, 30, 30.9, 31, 40], target=2) == [4, 4, 4, 4, 1, 1]
@@ -260,3 +274,28 @@ def test_a_missing_or_garbled_state_is_the_default(garbage):
     assert state_from_dict(garbage) == AutoscalerState()
     # ...which takes demand from the target: three idle replicas just stay three.
     assert decide(replicas(3), 3, 0.0, AutoscalerConfig(), state_from_dict(garbage)).num_replicas == 3
+
+
+def test_spares_that_take_load_are_replaced_before_a_queue_builds():
+    # Demand 2 plus a spare, 4 seats each. Running requests fill 11 seats: 3 replicas' worth, so
+    # the spare is serving demand. With no request waiting, the count still grows to keep a spare,
+    # after the scale-up delay (3 / 2 = 1.5 is under the panic threshold).
+    config = AutoscalerConfig(warm_spares=1, scale_up_delay_s=2.0)
+    busy: Load = lambda now_s, target: [ReplicaLoad(f"r{i}", 0, n, 0.1, num_seats=4) for i, n in enumerate((4, 4, 3))]
+    assert run(config, busy, [0, 1, 2, 3], target=3) == [3, 3, 4, 4]
+    decision = decide(busy(0, 3), 3, 0.0, AutoscalerConfig(warm_spares=1, scale_up_delay_s=0))
+    assert decision.reason.startswith("up: spares in use") and decision.num_replicas == 4
+    # Without spares, full seats and no queue is a well-packed batch: nothing moves.
+    assert run(AutoscalerConfig(scale_up_delay_s=0), busy, [0, 1, 2], target=3) == [3, 3, 3]
+    # Unknown seats (0): the signal is off.
+    unknown: Load = lambda now_s, target: [ReplicaLoad(f"r{i}", 0, 4, 0.1) for i in range(3)]
+    assert run(config, unknown, [0, 1, 2, 3], target=3) == [3, 3, 3, 3]
+
+
+def test_scale_down_keeps_the_busy_seats_covered():
+    # Demand 3 (+1 spare), load calm by the queue and TTFT, but running requests fill 2 replicas'
+    # seats: one step down to demand 2, then held there however long it stays calm.
+    config = AutoscalerConfig(warm_spares=1, scale_down_delay_s=10.0)
+    calm: Load = lambda now_s, target: [ReplicaLoad(f"r{i}", 0, 2, 0.1, num_seats=4) for i in range(target)]
+    counts = run(config, calm, [0, 5, 10, 15, 20, 30, 60], target=4)  # demand 4 - 1 spare = 3
+    assert counts == [4, 4, 3, 3, 3, 3, 3]

@@ -38,6 +38,7 @@ def test_hooks_report_engine_state_in_the_types_serve_accepts():
     # Serve drops a replica's custom autoscaling metrics if one value is not an int or float.
     assert all(type(v) in (int, float) for v in autoscaling.values()), autoscaling
     assert autoscaling["num_waiting_first_token"] == 1 and autoscaling["num_total_kv_blocks"] == 64
+    assert autoscaling["num_seats"] == EngineConfig().max_num_seqs
     assert routing["replica"] == "r0" and routing["block_size"] == 4 and routing["num_total_kv_blocks"] == 64
 
 

@@ -38,7 +38,8 @@ class Context:  # the fields of Serve's AutoscalingContext that the policy reads
 def report(replicas: list[Replica], t: float, waiting: float, running: float = 1.0,
            ttft: float | None = None, oldest: float = 0.0, kv: float = 0.1) -> dict[str, dict[Replica, list[Sample]]]:
     metrics: dict[str, dict[Replica, list[Sample]]] = {}
-    values = {"num_waiting_first_token": waiting, "num_running": running, "oldest_wait_s": oldest, "kv_usage": kv}
+    values = {"num_waiting_first_token": waiting, "num_running": running, "oldest_wait_s": oldest, "kv_usage": kv,
+              "num_seats": 4}
     if ttft is not None:
         values["ttft_p90_s"] = ttft
     for name, value in values.items():
@@ -56,8 +57,8 @@ def test_newest_report_of_each_replica_becomes_its_load():
     assert [load.replica_id for load in loads] == ["a", "b"]  # c has not reported: not capacity yet
     first, second = loads
     # 3 requests queued in the routers count as one more waiting on each of the 3 replicas.
-    assert (first.num_waiting, first.num_running, first.ttft_p90_s, first.oldest_wait_s, first.kv_usage) == \
-        (4, 2, 0.4, 0.7, 0.5)
+    assert (first.num_waiting, first.num_running, first.ttft_p90_s, first.oldest_wait_s, first.kv_usage,
+            first.num_seats) == (4, 2, 0.4, 0.7, 0.5, 4)
     assert second.ttft_p90_s is None
 
 
@@ -67,11 +68,12 @@ def test_policy_scales_up_on_queue_and_keeps_its_state_in_policy_state():
     state: dict[str, Any] = {"serve_internal_key": 1}
     counts = []
     for t in (0.0, 1.0, 2.0, 3.0):
-        ctx = Context([replica], report([replica], t, waiting=6), 1, t, dict(state))
+        ctx = Context([replica], report([replica], t, waiting=6, running=4), 1, t, dict(state))
         replicas, state = policy(ctx)
         counts.append(replicas)
-    # 6 waiting on one replica is 1.5x the target: held for the 2 s delay, then 2 replicas.
-    assert counts == [1, 1, 2, 2]
+    # 6 waiting on one replica is 1.5x the target: held for the 2 s delay, then the 10 requests
+    # it holds need 3 replicas of 4 seats.
+    assert counts == [1, 1, 3, 3]
 
 
 def test_serve_bounds_replace_the_configured_ones():
@@ -84,6 +86,7 @@ def test_serve_bounds_replace_the_configured_ones():
 def test_autoscaling_config_leaves_delays_to_the_policy():
     config = autoscaling_config(min_replicas=1, max_replicas=3, warm_spares=1, ttft_slo_s=0.5)
     assert (config["upscale_delay_s"], config["downscale_delay_s"]) == (0.0, 0.0)
+    assert config["initial_replicas"] == 2  # the spare is loaded from the start
     assert config["policy"] == {"policy_function": "autoscaler.serve_policy:QueueTTFTPolicy",
                                 "policy_kwargs": {"warm_spares": 1, "ttft_slo_s": 0.5}}
     with pytest.raises(ValueError, match="warm_spares"):
