@@ -28,7 +28,9 @@ pressure = the largest. The rules move `demand`, the replicas the load needs; wa
   loading replicas get a full delay of reports before they are judged: this stops a slow weight
   load from piling up replicas.
 - down: every pressure under low_water for scale_down_delay_s, and no scale-up in the last
-  scale_down_delay_s: one replica fewer (TTFT on fewer replicas cannot be predicted, so step), or
+  scale_down_delay_s: one replica fewer, unless the running requests would then fill more than
+  down_seat_utilization of the remaining demand's seats (queues and TTFT stay low right up to the
+  point a replica is full, so they cannot tell that one replica fewer would be too few) (TTFT on fewer replicas cannot be predicted, so step), or
   straight to min_replicas when every replica is idle. The calm clock then restarts.
 - else hold. Nothing moves between low_water and 1: that gap, the delays and the no-down-after-up
   rule are what stop flapping.
@@ -49,7 +51,9 @@ and doubling per load (1, 2, 4) measured a minute to absorb a 4x step that one d
 scale_down_delay_s 30: covers the gaps between bursts, since a replica removed too early costs a
 weight load when the load returns. low_water 0.5: removing one of n >= 2 replicas raises each
 one's load by n / (n - 1) <= 2, so a step down from under half the target cannot itself push
-pressure over 1. kv_high 0.95: past it the engine preempts or stops admitting; below it the cache
+pressure over 1. down_seat_utilization 0.75: a continuous batch past three quarters full starts to
+queue on bursts; measured, stepping down on calm alone took a 4x load from 4 replicas to 2 and
+straight back to 6. kv_high 0.95: past it the engine preempts or stops admitting; below it the cache
 is simply well used.
 """
 
@@ -96,6 +100,7 @@ _CHECKS = (
     ("scale_down_delay_s", lambda v: v >= 0, ">= 0"),
     ("low_water", lambda v: 0 < v < 1, "in (0, 1)"),
     ("kv_high", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("down_seat_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
 )
 
 
@@ -113,6 +118,7 @@ class AutoscalerConfig:
     scale_down_delay_s: float = 30.0  # calm must hold this long before one replica goes
     low_water: float = 0.5  # calm: every pressure below this
     kv_high: float = 0.95  # KV usage above this, with requests waiting, is pressure too
+    down_seat_utilization: float = 0.75  # after a step down, running requests fill at most this of the seats
 
     def __post_init__(self) -> None:
         for name, low in (("min_replicas", 0), ("max_replicas", 1), ("warm_spares", 0)):
@@ -160,14 +166,15 @@ def decide(loads: Sequence[ReplicaLoad], target_replicas: int, now_s: float, con
         return Decision(held, AutoscalerState(demand, None, None, state.last_scale_up_s), 0.0,
                         "hold: no replica reporting")
     pressures = _pressures(loads, config)
-    occupied = _occupied(loads) if config.warm_spares else 0
+    occupied = _occupied(loads, 1.0) if config.warm_spares else 0
     if occupied > demand:  # the spares are taking load: demand has grown before any queue shows it
         pressures["spares"] = occupied / max(demand, 1)
     pressure = max(pressures.values())
     if pressure > 1:
         demand, state, reason = _scale_up(loads, target_replicas, now_s, config, state, demand, pressures, occupied)
     elif pressure < config.low_water:
-        demand, state, reason = _scale_down(loads, now_s, config, state, demand, occupied)
+        floor = _occupied(loads, config.down_seat_utilization)
+        demand, state, reason = _scale_down(loads, now_s, config, state, demand, floor)
     else:
         state, reason = AutoscalerState(demand, None, None, state.last_scale_up_s), "hold"
     num_replicas = _clamp(demand + config.warm_spares, config.min_replicas, config.max_replicas)
@@ -215,13 +222,13 @@ def _proportional_need(loads: Sequence[ReplicaLoad], pressure: float) -> int:
     return math.ceil(len(loads) * pressure - _CEIL_SLACK)
 
 
-def _occupied(loads: Sequence[ReplicaLoad]) -> int:
-    """Replicas whose seats the running requests fill (at the reported seats per replica); 0 when
-    no replica reports its seats."""
+def _occupied(loads: Sequence[ReplicaLoad], utilization: float) -> int:
+    """Replicas that seat the running requests with `utilization` of each one's seats (the reported
+    max_num_seqs) taken; 0 when no replica reports its seats."""
     seats = [r.num_seats for r in loads if r.num_seats > 0]
     if not seats:
         return 0
-    return math.ceil(sum(r.num_running for r in loads) / (sum(seats) / len(seats)) - _CEIL_SLACK)
+    return math.ceil(sum(r.num_running for r in loads) / (utilization * sum(seats) / len(seats)) - _CEIL_SLACK)
 
 
 def _seat_need(loads: Sequence[ReplicaLoad]) -> int:
@@ -248,7 +255,7 @@ def _why(pressures: dict[str, float], config: AutoscalerConfig) -> str:
 
 
 def _scale_down(loads: Sequence[ReplicaLoad], now_s: float, config: AutoscalerConfig, state: AutoscalerState,
-                demand: int, occupied: int) -> tuple[int, AutoscalerState, str]:
+                demand: int, floor: int) -> tuple[int, AutoscalerState, str]:
     since_s = now_s if state.calm_since_s is None else state.calm_since_s
     calm_s = now_s - since_s
     # Implied by the calm clock (a scale-up needs pressure > 1, which restarts it), but kept so that
@@ -257,8 +264,9 @@ def _scale_down(loads: Sequence[ReplicaLoad], now_s: float, config: AutoscalerCo
     if min(calm_s, after_up_s) < config.scale_down_delay_s or demand <= config.min_replicas:
         return demand, AutoscalerState(demand, None, since_s, state.last_scale_up_s), f"hold: calm for {calm_s:.0f} s"
     idle = all(r.num_waiting == 0 and r.num_running == 0 for r in loads)
-    # Never below the replicas whose seats are busy: the spares stay spare.
-    new_demand = config.min_replicas if idle else max(demand - 1, occupied, config.min_replicas)
+    # Never below the replicas that seat what runs now within down_seat_utilization: a queue shows
+    # only once a replica is full, so "calm" alone would remove capacity the load still uses.
+    new_demand = config.min_replicas if idle else max(demand - 1, floor, config.min_replicas)
     if new_demand == demand:
         return demand, AutoscalerState(demand, None, since_s, state.last_scale_up_s), "hold: the seats are busy"
     reason = "idle: to min" if idle else f"down: calm for {calm_s:.0f} s"

@@ -292,10 +292,19 @@ def test_spares_that_take_load_are_replaced_before_a_queue_builds():
     assert run(config, unknown, [0, 1, 2, 3], target=3) == [3, 3, 3, 3]
 
 
+def split(total: int, num: int) -> list[int]:
+    base, extra = divmod(total, num)
+    return [base + (i < extra) for i in range(num)]
+
+
 def test_scale_down_keeps_the_busy_seats_covered():
-    # Demand 3 (+1 spare), load calm by the queue and TTFT, but running requests fill 2 replicas'
-    # seats: one step down to demand 2, then held there however long it stays calm.
+    # Demand 3 (+1 spare), calm by the queue and TTFT, with 6 requests running on 4 seats per
+    # replica: 2 replicas seat them at 75%, so one step down to demand 2, then held there however
+    # long it stays calm (demand 1 would put 6 requests on 4 seats).
     config = AutoscalerConfig(warm_spares=1, scale_down_delay_s=10.0)
-    calm: Load = lambda now_s, target: [ReplicaLoad(f"r{i}", 0, 2, 0.1, num_seats=4) for i in range(target)]
+    calm: Load = lambda now_s, target: [ReplicaLoad(f"r{i}", 0, n, 0.1, num_seats=4)
+                                        for i, n in enumerate(split(6, target))]
     counts = run(config, calm, [0, 5, 10, 15, 20, 30, 60], target=4)  # demand 4 - 1 spare = 3
     assert counts == [4, 4, 3, 3, 3, 3, 3]
+    # Without spares, the same: 4 -> 3 -> 2 replicas, never 1.
+    assert run(AutoscalerConfig(scale_down_delay_s=10.0), calm, [0, 10, 20, 30, 60], target=4) == [4, 3, 2, 2, 2]
