@@ -4,7 +4,9 @@
 It only converts: the newest value of each replica's `record_autoscaling_stats` report becomes an
 `autoscaler.policy.ReplicaLoad`, Serve's bounds (min/max replicas, adjusted for cluster capacity)
 replace the config's, and the decision state travels in Serve's `policy_state` dict. Requests
-queued in the callers' routers (past max_ongoing_requests) count as waiting on every replica.
+queued in the callers' routers (Serve's `total_queued_requests`) are left out: handles report them
+every 10 s, so a router's momentary queue at startup read as 8 waiting per replica for seconds
+and scaled 1 -> 4 at 1x load; with a high max_ongoing_requests they are transient anyway.
 Serve's own delays and factors must be neutral (upscale_delay_s 0, downscale_delay_s 0, no
 factors): `autoscaler.policy.decide` applies its own, and `autoscaling_config()` builds such a config.
 """
@@ -38,7 +40,7 @@ class QueueTTFTPolicy:
         self._last_reason = ""
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        loads = replica_loads(ctx.raw_metrics or {}, ctx.running_replicas, _queued(ctx))
+        loads = replica_loads(ctx.raw_metrics or {}, ctx.running_replicas)
         config = dataclasses.replace(self.config, min_replicas=ctx.capacity_adjusted_min_replicas,
                                      max_replicas=max(ctx.capacity_adjusted_max_replicas,
                                                       ctx.capacity_adjusted_min_replicas, 1))
@@ -92,13 +94,6 @@ def autoscaling_config(min_replicas: int, max_replicas: int, initial_replicas: i
     config["initial_replicas"] = initial_replicas if initial_replicas is not None else min(min_replicas + spares,
                                                                                          max_replicas)
     return config
-
-
-def _queued(ctx: Any) -> float:
-    try:
-        return float(ctx.total_queued_requests or 0.0)
-    except Exception:  # not every Serve version computes it for custom policies
-        return 0.0
 
 
 def _newest(series: Sequence[Any] | None) -> tuple[float, float] | None:
