@@ -28,10 +28,11 @@ pressure = the largest. The rules move `demand`, the replicas the load needs; wa
   loading replicas get a full delay of reports before they are judged: this stops a slow weight
   load from piling up replicas.
 - down: every pressure under low_water for scale_down_delay_s, and no scale-up in the last
-  scale_down_delay_s: one replica fewer, unless the running requests would then fill more than
-  down_seat_utilization of the remaining demand's seats (queues and TTFT stay low right up to the
-  point a replica is full, so they cannot tell that one replica fewer would be too few) (TTFT on fewer replicas cannot be predicted, so step), or
-  straight to min_replicas when every replica is idle. The calm clock then restarts.
+  scale_down_delay_s: one replica fewer (TTFT on fewer replicas cannot be predicted, so step), or
+  straight to min_replicas when every replica is idle; the calm clock then restarts. Not below
+  the replicas that seat the running requests within down_seat_utilization of their seats:
+  queues and TTFT stay low right up to the point a replica is full, so they cannot tell that one
+  replica fewer would be too few.
 - else hold. Nothing moves between low_water and 1: that gap, the delays and the no-down-after-up
   rule are what stop flapping.
 - replicas = clamp(demand + warm_spares, min_replicas, max_replicas), and demand stays within

@@ -47,7 +47,8 @@ class QueueTTFTPolicy:
         now_s = ctx.current_time if ctx.current_time is not None else time.time()
         decision = decide(loads, ctx.target_num_replicas, now_s, config, state_from_dict(ctx.policy_state))
         if decision.num_replicas != ctx.target_num_replicas and decision.reason != self._last_reason:
-            logger.info(f"autoscaler: {ctx.target_num_replicas} -> {decision.num_replicas} replicas ({decision.reason})")
+            logger.info(f"autoscaler: {ctx.target_num_replicas} -> {decision.num_replicas} replicas "
+                        f"({decision.reason})")
         self._last_reason = decision.reason
         return decision.num_replicas, to_dict(decision.state)
 

@@ -40,7 +40,8 @@ def app(default_model_dir):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = {"model": default_model_dir, "served_model_name": MODEL, "autoscaling": AUTOSCALING, "engine_args": ENGINE, "drain_timeout_s": 30}
+    args = {"model": default_model_dir, "served_model_name": MODEL, "autoscaling": AUTOSCALING,
+            "engine_args": ENGINE, "drain_timeout_s": 30}
     serve.run(build_app(args), name="iterserve", route_prefix="/")
     try:
         yield f"http://127.0.0.1:{port}"
