@@ -54,8 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--user-tokens", type=int, default=64)
     p.add_argument("--answer-tokens", type=int, default=32)
     p.add_argument("--rate", type=float, default=0.5, help="new conversations per second")
-    p.add_argument("--kv-blocks", type=int, default=None,
-                   help="KV blocks per replica (default: sized from memory, in effect unbounded here)")
+    # 320 blocks (5,120 tokens) per replica: 5 of the 8 system prompts, or 2-3 with their
+    # conversations. A GPU's KV cache is bounded the same way against real traffic: routing by load
+    # alone makes every replica hold every prefix and evict them in turn, routing by prefix holds
+    # each prefix on one replica. 0 sizes the cache from memory (in effect unbounded here).
+    p.add_argument("--kv-blocks", type=int, default=320, help="KV blocks per replica (default 320; 0: from memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "routing")
     args = p.parse_args(argv)
@@ -146,7 +149,7 @@ def deploy(policy: str, replicas: int, kv_blocks: int | None) -> None:
 
     serve.delete("iterserve")
     engine_args: dict[str, Any] = {"num_threads": 1}
-    if kv_blocks is not None:
+    if kv_blocks:
         engine_args["num_kv_blocks"] = kv_blocks
     args = {"num_replicas": replicas, "router": {"policy": policy}, "routing_stats_period_s": 0.5,
             "engine_args": engine_args, "admission": {"max_waiting_requests": 100_000}}
