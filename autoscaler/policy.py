@@ -10,8 +10,9 @@ is a pressure, a ratio to its target (> 1: over target), over the replicas that 
   ttft_slo_s. The age sees queueing before any first token comes out, which the TTFT of requests
   that already have one cannot.
 - spares (only with warm_spares): replicas whose seats the running requests fill, over demand.
-  Over 1, the spares are serving load that demand does not cover yet: scale up to keep them spare
-  before any queue builds (a spare that absorbs a surge would otherwise delay its detection).
+  Over 1 for scale_up_delay_s (never a panic: absorbing a burst is what spares are for), the
+  spares are serving load that demand does not cover yet: scale up to keep them spare before any
+  queue builds (a spare that absorbs a surge would otherwise delay its detection).
 - kv: the fullest replica's KV usage over kv_high. Past kv_high it counts as over target only when
   that replica has requests waiting; otherwise it is capped at 1: a full cache with an empty queue
   is a well-packed batch, not a shortage.
@@ -201,11 +202,13 @@ def _scale_up(loads: Sequence[ReplicaLoad], target_replicas: int, now_s: float, 
               occupied: int) -> tuple[int, AutoscalerState, str]:
     pressure = max(pressures.values())
     since_s = now_s if state.pressure_since_s is None else state.pressure_since_s
-    panic = pressure >= config.panic_threshold
+    load_pressure = max(v for k, v in pressures.items() if k != "spares")
+    # Spares taking load is never a panic: a burst that fills them for a moment is what they are
+    # for; only load that keeps them busy for scale_up_delay_s is new demand.
+    panic = load_pressure >= config.panic_threshold
     if not panic and now_s - since_s < config.scale_up_delay_s:
         waiting = AutoscalerState(demand, since_s, None, state.last_scale_up_s)
         return demand, waiting, f"hold: pressure {pressure:.2f} for {now_s - since_s:.1f} s"
-    load_pressure = max(v for k, v in pressures.items() if k != "spares")
     proportional = _proportional_need(loads, load_pressure) if load_pressure > 1 else 0
     needed = max(min(max(proportional, _seat_need(loads)),
                      math.ceil(len(loads) * config.max_scale_up_factor - _CEIL_SLACK)), occupied)

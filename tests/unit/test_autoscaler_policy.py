@@ -308,3 +308,15 @@ def test_scale_down_keeps_the_busy_seats_covered():
     assert counts == [4, 4, 3, 3, 3, 3, 3]
     # Without spares, the same: 4 -> 3 -> 2 replicas, never 1.
     assert run(AutoscalerConfig(scale_down_delay_s=10.0), calm, [0, 10, 20, 30, 60], target=4) == [4, 3, 2, 2, 2]
+
+
+def test_a_burst_that_fills_the_spares_for_a_moment_is_not_new_demand():
+    # Demand 1 + 1 spare, 4 seats each; a 1 s burst runs 6 requests (2 replicas' seats), then 2.
+    config = AutoscalerConfig(warm_spares=1, scale_up_delay_s=2.0)
+    burst: Load = lambda now_s, target: [ReplicaLoad(f"r{i}", 0, 3 if 10 <= now_s < 11 else 1, 0.1, num_seats=4)
+                                         for i in range(target)]
+    assert run(config, burst, range(0, 20), target=2) == [2] * 20
+    # Kept busy past the delay, it is demand: one more replica to keep a spare.
+    busy: Load = lambda now_s, target: [ReplicaLoad(f"r{i}", 0, 3 if now_s >= 10 else 1, 0.1, num_seats=4)
+                                        for i in range(2)]
+    assert run(config, busy, range(0, 14), target=2)[-1] == 3
