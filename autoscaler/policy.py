@@ -30,7 +30,8 @@ pressure = the largest. The rules move `demand`, the replicas the load needs; wa
   load from piling up replicas.
 - down: every pressure under low_water for scale_down_delay_s, and no scale-up in the last
   scale_down_delay_s: one replica fewer (TTFT on fewer replicas cannot be predicted, so step), or
-  straight to min_replicas when every replica is idle; the calm clock then restarts. Not below
+  straight to min_replicas when every replica is idle (nothing waiting or running, and no first
+  token in the TTFT window); the calm clock then restarts. Not below
   the replicas that seat the running requests within down_seat_utilization of their seats:
   queues and TTFT stay low right up to the point a replica is full, so they cannot tell that one
   replica fewer would be too few.
@@ -267,7 +268,9 @@ def _scale_down(loads: Sequence[ReplicaLoad], now_s: float, config: AutoscalerCo
     after_up_s = math.inf if state.last_scale_up_s is None else now_s - state.last_scale_up_s
     if min(calm_s, after_up_s) < config.scale_down_delay_s or demand <= config.min_replicas:
         return demand, AutoscalerState(demand, None, since_s, state.last_scale_up_s), f"hold: calm for {calm_s:.0f} s"
-    idle = all(r.num_waiting == 0 and r.num_running == 0 for r in loads)
+    # Idle: nothing waits or runs, and no first token came in the replicas' TTFT window either, so
+    # this is not a momentary gap between requests (at 1x load two replicas are often both empty).
+    idle = all(r.num_waiting == 0 and r.num_running == 0 and r.ttft_p90_s is None for r in loads)
     # Never below the replicas that seat what runs now within down_seat_utilization: a queue shows
     # only once a replica is full, so "calm" alone would remove capacity the load still uses.
     new_demand = config.min_replicas if idle else max(demand - 1, floor, config.min_replicas)

@@ -320,3 +320,14 @@ def test_a_burst_that_fills_the_spares_for_a_moment_is_not_new_demand():
     busy: Load = lambda now_s, target: [ReplicaLoad(f"r{i}", 0, 3 if now_s >= 10 else 1, 0.1, num_seats=4)
                                         for i in range(2)]
     assert run(config, busy, range(0, 14), target=2)[-1] == 3
+
+
+def test_a_momentary_gap_between_requests_is_not_idle():
+    # Calm for the delay, and at this instant nothing runs, but first tokens came in the window:
+    # one step down, not straight to min.
+    config = AutoscalerConfig(scale_down_delay_s=10.0)
+    gap = [ReplicaLoad(f"r{i}", 0, 0, 0.2) for i in range(4)]
+    assert decide(gap, 4, 20.0, config, AutoscalerState(demand=4, calm_since_s=0.0)).num_replicas == 3
+    quiet = [ReplicaLoad(f"r{i}", 0, 0, None) for i in range(4)]
+    decision = decide(quiet, 4, 20.0, config, AutoscalerState(demand=4, calm_since_s=0.0))
+    assert (decision.num_replicas, decision.reason) == (1, "idle: to min")
