@@ -273,7 +273,7 @@ def _scale_down(loads: Sequence[ReplicaLoad], now_s: float, config: AutoscalerCo
     idle = all(r.num_waiting == 0 and r.num_running == 0 and r.ttft_p90_s is None for r in loads)
     # Never below the replicas that seat what runs now within down_seat_utilization: a queue shows
     # only once a replica is full, so "calm" alone would remove capacity the load still uses.
-    new_demand = config.min_replicas if idle else max(demand - 1, floor, config.min_replicas)
+    new_demand = config.min_replicas if idle else min(demand, max(demand - 1, floor, config.min_replicas))
     if new_demand == demand:
         return demand, AutoscalerState(demand, None, since_s, state.last_scale_up_s), "hold: the seats are busy"
     reason = "idle: to min" if idle else f"down: calm for {calm_s:.0f} s"

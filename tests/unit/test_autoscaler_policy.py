@@ -331,3 +331,11 @@ def test_a_momentary_gap_between_requests_is_not_idle():
     quiet = [ReplicaLoad(f"r{i}", 0, 0, None) for i in range(4)]
     decision = decide(quiet, 4, 20.0, config, AutoscalerState(demand=4, calm_since_s=0.0))
     assert (decision.num_replicas, decision.reason) == (1, "idle: to min")
+
+
+def test_the_seat_floor_never_turns_a_step_down_into_a_step_up():
+    # Calm, demand 4, but 14 requests running on 4 seats each would want 5 replicas at 75%: hold.
+    config = AutoscalerConfig(scale_down_delay_s=10.0)
+    busy = [ReplicaLoad(f"r{i}", 0, n, 0.2, num_seats=4) for i, n in enumerate((4, 4, 3, 3))]
+    decision = decide(busy, 4, 20.0, config, AutoscalerState(demand=4, calm_since_s=0.0))
+    assert (decision.num_replicas, decision.reason) == (4, "hold: the seats are busy")
