@@ -60,6 +60,26 @@ def arrivals(num_requests: int, rate_per_s: float | None, pattern: str, seed: in
     raise ValueError(f"arrival pattern must be poisson, gamma or burst, got {pattern!r}")
 
 
+def step_arrivals(phases: list[tuple[float, float]], seed: int) -> list[float]:
+    """Poisson arrivals whose rate steps: `phases` is [(duration_s, rate_per_s), ...] in order
+    (rate 0 is a silent phase). Each phase draws its own seeded gaps, so a phase's arrivals do not
+    depend on the phases before it."""
+    times: list[float] = []
+    start_s = 0.0
+    for index, (duration_s, rate_per_s) in enumerate(phases):
+        if not (duration_s > 0 and rate_per_s >= 0):
+            raise ValueError(f"phase {index}: duration_s must be > 0 and rate_per_s >= 0, got "
+                             f"({duration_s!r}, {rate_per_s!r})")
+        if rate_per_s > 0:
+            rng = np.random.default_rng([seed, index])
+            t = start_s + rng.exponential(1.0 / rate_per_s)
+            while t < start_s + duration_s:
+                times.append(float(t))
+                t += rng.exponential(1.0 / rate_per_s)
+        start_s += duration_s
+    return times
+
+
 def synthetic(num_requests: int, prompt: LengthDist, output: LengthDist, arrivals_s: list[float],
               token_pool: np.ndarray, seed: int) -> list[BenchRequest]:
     if len(arrivals_s) != num_requests:

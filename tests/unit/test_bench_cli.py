@@ -66,3 +66,19 @@ def test_outputs_and_summary_line(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["request_id"] for r in rows] == ["a", "b"] and rows[1]["status"] == 429
     assert json.loads((tmp_path / "summary.json").read_text())[0]["num_shed"] == 1
+
+
+def test_autoscaling_recovery_and_cold_start_arithmetic():
+    from loadtest.bench_autoscaling import cold_starts_s, recovery_s, violation_s
+
+    # 2 s bins; step up at 10, down at 40; the SLO (1 s) breaks at 12-16, holds at 18-22, a blip
+    # at 26: recovery is 18 - 10 = 8 s (three good bins in a row), 8 s of bins over the SLO.
+    bins = [(t, 0.2) for t in range(0, 12, 2)] + [(12, 3.0), (14, 2.0), (16, 1.5), (18, 0.5), (20, 0.4),
+                                                   (22, 0.3), (24, 0.4), (26, 1.2), (28, 0.3)]
+    assert recovery_s(bins, 10, 40, 1.0) == 8
+    assert violation_s(bins, 10, 40, 1.0) == 8
+    assert recovery_s([(t, 0.2) for t in range(0, 40, 2)], 10, 40, 1.0) == 0.0  # never broke
+    assert recovery_s([(t, 5.0) for t in range(10, 40, 2)], 10, 40, 1.0) == 30  # never came back
+    # Serve starts 2 replicas at t=1 and 1 at t=3; they run at t=5, 6 and 9: 4, 5, 6 s.
+    samples = [(0, 1, 1), (1, 1, 3), (3, 1, 4), (5, 2, 4), (6, 3, 4), (9, 4, 4)]
+    assert cold_starts_s(samples) == [4, 5, 6]

@@ -108,3 +108,15 @@ def test_batch_fraction_tags_exactly_that_share():
     assert tagged == wl.with_batch_fraction(workload, 0.25, seed=5)
     with pytest.raises(ValueError):
         wl.with_batch_fraction(workload, 1.5, seed=0)
+
+
+def test_step_arrivals_follow_each_phase_rate():
+    from loadtest.workloads import step_arrivals
+
+    times = step_arrivals([(100.0, 1.0), (100.0, 4.0), (100.0, 0.0), (100.0, 1.0)], seed=3)
+    counts = [sum(1 for t in times if k * 100 <= t < (k + 1) * 100) for k in range(4)]
+    assert 70 <= counts[0] <= 130 and 340 <= counts[1] <= 460 and counts[2] == 0 and 70 <= counts[3] <= 130
+    assert times == sorted(times) and times[-1] < 400
+    assert step_arrivals([(100.0, 1.0)], seed=3) == [t for t in times if t < 100]  # phases are independent
+    with pytest.raises(ValueError, match="phase 1"):
+        step_arrivals([(10.0, 1.0), (0.0, 1.0)], seed=0)
