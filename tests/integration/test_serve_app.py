@@ -206,8 +206,11 @@ def test_handle_calls_from_a_separate_deployment(app, client):
 
 def test_not_ready_answers_503_until_a_replica_exists(app):
     # A replica that asks for a resource no node has stays pending, as on a cluster short of GPUs.
+    # Serve stops a replica that was never placed only after its graceful-shutdown timeout
+    # (drain_timeout_s), so the test keeps that short or deleting the app outlasts serve.delete's 60 s.
     args = {"model": app.model_dir, "served_model_name": MODEL, "engine_args": {"num_threads": 1},
-            "llm_server_actor_options": {"num_cpus": 0, "resources": {"iterserve_test_missing": 1}}}
+            "llm_server_actor_options": {"num_cpus": 0, "resources": {"iterserve_test_missing": 1}},
+            "drain_timeout_s": 5}
     # serve.run would wait for the application to be running, which it never will be.
     app.serve._run(app.build_app(args), name="pending", route_prefix="/pending", _blocking=False)
     try:
