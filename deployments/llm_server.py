@@ -80,6 +80,8 @@ class LLMServer:
         self.replica_id = replica_id or uuid.uuid4().hex[:8]
         self.clock = clock
         scheduler = engine.engine.scheduler.config
+        # Requests the engine runs at once (max_num_seqs): the autoscaler sizes surges in seats.
+        self.num_seats = scheduler.max_num_seqs
         self.info = ModelInfo(
             served_model_name=served_model_name or model or "iterserve-default",
             # A request must fit both the model's positions and the whole KV cache.
@@ -225,18 +227,22 @@ class LLMServer:
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("ttft_p")}
         numbers.update(self.queue_stats())
         numbers["num_shed"] = sum(self.num_shed.values())
-        numbers["num_seats"] = self.engine.engine.scheduler.config.max_num_seqs
+        numbers["num_seats"] = self.num_seats
         return numbers
 
     def queue_stats(self) -> dict[str, float]:
         now_s = self.clock()
         self._trim_ttfts(now_s)
         stats = {"num_waiting_first_token": float(len(self._waiting_since_s)),
-                 "oldest_wait_s": now_s - min(self._waiting_since_s.values()) if self._waiting_since_s else 0.0}
+                 "oldest_wait_s": self.oldest_wait_s(now_s)}
         p90 = percentile([ttft for _, ttft in self._recent_ttfts_s], 90)
         if p90 is not None:
             stats["ttft_p90_s"] = p90
         return stats
+
+    def oldest_wait_s(self, now_s: float) -> float:
+        """Entries go in as requests are admitted, on a monotonic clock: the first is the oldest."""
+        return now_s - next(iter(self._waiting_since_s.values())) if self._waiting_since_s else 0.0
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
@@ -334,5 +340,5 @@ def _families(server: LLMServer, stats: dict[str, Any]) -> list[dict[str, Any]]:
                     [({"part": part}, seconds) for part, seconds in server.load_times_s.items()]),
         family_dict("iterserve_oldest_waiting_seconds", "gauge",
                     "Age of the oldest request still waiting for its first token.",
-                    [({}, server.queue_stats()["oldest_wait_s"])]),
+                    [({}, server.oldest_wait_s(server.clock()))]),
     ]

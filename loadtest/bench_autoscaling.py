@@ -34,9 +34,9 @@ import httpx
 import numpy as np
 
 from loadtest import workloads as wl
-from loadtest.bench_batching import _free_port
 from loadtest.bench_cli import measure, summary_line, token_pool, write_outputs
 from loadtest.client import ClientConfig
+from loadtest.local_serve import start_local_serve, stop_local_serve
 from loadtest.report import write_report
 from loadtest.results import SLO
 from loadtest.traces import BenchRequest
@@ -249,9 +249,6 @@ def model_load_s(base: str) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import ray
-    from ray import serve
-
     args = parse_args(argv)
     started_s = time.monotonic()
     pool = token_pool(None)
@@ -262,10 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     overload = workload(args, pool, [(warm, c), (hot, 3 * c)], 0.3, args.seed + 1)
     wanted = {r.request_id: r.output_tokens for r in step}
     wanted_overload = {r.request_id: r.output_tokens for r in overload}
-    ray.init(include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    base = f"http://127.0.0.1:{port}"
+    base = start_local_serve()
     runs, figures = [], {}
     try:
         for spares in (0, 1):
@@ -282,8 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         run, samples = run_once(args, base, "overload 3x, 30% batch, 2 replicas", overload, 2, 1)
         runs.append(run)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_serve()
     results = run["results"]
     interactive = [r["first_token_s"] - r["sent_s"] for r in results
                    if r["priority"] == "interactive" and r["status"] == 200 and r["first_token_s"] is not None]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ import numpy as np
 from loadtest import workloads as wl
 from loadtest.bench_cli import measure, summary_line, token_pool, write_outputs
 from loadtest.client import ClientConfig
+from loadtest.local_serve import start_local_serve, stop_local_serve
 from loadtest.report import max_rate_under_slo, write_report
 from loadtest.results import SLO
 from loadtest.traces import BenchRequest, LengthScaler, default_trace_path, load_azure_trace
@@ -65,28 +65,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def start_servers(threads: int) -> str:
     """Local Ray, one HTTP proxy on a free loopback port, one application per batching mode."""
-    import ray
     from ray import serve
 
     from deployments.app import build_app
 
-    ray.init(include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    base = start_local_serve()
     for mode in MODES:
         # The waiting limit is lifted: shedding would hide the queueing this benchmark measures.
         args = {"engine_args": {"batching": mode, "num_threads": threads},
                 "admission": {"max_waiting_requests": 100_000}}
         serve.run(build_app(args), name=f"iterserve-{mode}", route_prefix=f"/{mode}")
-    return f"http://127.0.0.1:{port}"
-
-
-def stop_servers() -> None:
-    import ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
+    return base
 
 
 def short_beside_long(base: str, pool: np.ndarray, repeats: int, seed: int) -> dict[str, dict[str, float]]:
@@ -153,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         runs = sweep(base, args, pool)
     finally:
-        stop_servers()
+        stop_local_serve()
     headline = {
         "short_latency_continuous_s": pair["continuous"]["short"], "short_latency_static_s": pair["static"]["short"],
         "long_latency_continuous_s": pair["continuous"]["long"], "long_latency_static_s": pair["static"]["long"],
@@ -177,12 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     write_report(args.out, "Continuous against static batching", runs, notes=notes, slo_ttft_s=args.slo_ttft)
     print(json.dumps(headline), flush=True)
     return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ import httpx
 import numpy as np
 
 from loadtest import workloads as wl
-from loadtest.bench_batching import _free_port
 from loadtest.bench_cli import measure, summary_line, token_pool, write_outputs
 from loadtest.client import ClientConfig
+from loadtest.local_serve import start_local_serve, stop_local_serve
 from loadtest.report import write_report
 from loadtest.results import SLO
 from loadtest.traces import BenchRequest
@@ -170,17 +170,11 @@ def run_policy(base: str, policy: str, workload: list[BenchRequest]) -> tuple[di
 
 
 def main(argv: list[str] | None = None) -> int:
-    import ray
-    from ray import serve
-
     args = parse_args(argv)
     started_s = time.monotonic()
     pool = token_pool(None)
     shared, uniform = shared_workload(args, pool), uniform_workload(args, pool)
-    ray.init(include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    base = f"http://127.0.0.1:{port}"
+    base = start_local_serve()
     runs, policies = [], {}
     try:
         for policy in POLICIES:
@@ -191,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 uniform_run, uniform_figures = run_policy(base, "prefix_aware (no sharing)", uniform)
                 runs.append(uniform_run)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_serve()
     loads = uniform_figures["requests_per_replica"]
     headline = {"policies": policies, "oracle_hit_rate": oracle_hit_rate(shared),
                 "uniform_max_over_mean": max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) else None,

@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import socket
 import threading
 import time
 
 import httpx
 import pytest
+
+from loadtest.local_serve import start_local_serve, stop_local_serve
 
 pytestmark = pytest.mark.integration
 
@@ -25,31 +26,21 @@ MODEL = "autoscaled"
 ENGINE = {"num_threads": 1, "max_num_seqs": 4, "emulated_step_time_s": 0.05}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app(default_model_dir):
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
     from ray import serve
 
     from deployments.app import build_app
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    base = start_local_serve(num_cpus=2)
     args = {"model": default_model_dir, "served_model_name": MODEL, "autoscaling": AUTOSCALING,
             "engine_args": ENGINE, "drain_timeout_s": 30}
     serve.run(build_app(args), name="iterserve", route_prefix="/")
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield base
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_serve()
 
 
 class ReplicaWatch:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
+
+from loadtest.local_serve import start_local_serve, stop_local_serve
 
 pytestmark = pytest.mark.integration
 
@@ -24,32 +25,22 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 ADMISSION = {"max_waiting_requests": 16, "batch_shed_fraction": 0.125, "retry_after_s": 2.0}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app(default_model_dir):
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
     from ray import serve
 
     from deployments.app import build_app
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    base = start_local_serve(num_cpus=2)
     args = {"model": default_model_dir, "served_model_name": MODEL, "num_replicas": 2, "api_key": KEY,
             "engine_args": {"num_threads": 1, "max_num_seqs": 32}, "admission": ADMISSION}
     serve.run(build_app(args), name="iterserve", route_prefix="/")
     try:
-        yield SimpleNamespace(base=f"http://127.0.0.1:{port}", serve=serve, build_app=build_app,
+        yield SimpleNamespace(base=base, serve=serve, build_app=build_app,
                               model_dir=default_model_dir)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_serve()
 
 
 @pytest.fixture
