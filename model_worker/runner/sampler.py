@@ -103,6 +103,9 @@ def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     num_candidates = min(probs.shape[1], TOP_P_CANDIDATES)
     top_probs = probs.topk(num_candidates, dim=-1).values  # sorted, descending
     keep = (top_probs.cumsum(dim=-1) - top_probs) < top_p
+    # The top token always stays, whatever top_p rounded to: with none kept the gather below would
+    # index -1 (SamplingParams clamps top_p; this holds for any caller).
+    keep[:, 0] = True
     threshold = top_probs.gather(1, keep.sum(dim=-1, keepdim=True) - 1)  # (N, 1)
     wide = keep[:, -1] if num_candidates < probs.shape[1] else torch.zeros_like(keep[:, -1])
     if wide.any():

@@ -82,3 +82,22 @@ async def _text(engine: AsyncLLMEngine, prompt: str, params: SamplingParams) -> 
     # decode); what streaming must never do is split a character the full decode keeps whole.
     assert text == engine.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
     return text, len(ids)
+
+
+def test_numerically_extreme_parameters_never_reach_a_step_as_nan(model_path):
+    """Regression (issue 11, defect 2 and 9): `top_p: 1e-300` rounded to 0 in float32 and made the
+    sampler index -1, killing the engine with every request batched beside it; `temperature:
+    1e-300` divided the logits by a float32 zero and silently returned token 0."""
+    engine = LLMEngine(EngineConfig(model=model_path, num_kv_blocks=256))
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    reference = generate_all(engine, {"g": ("Tiny values", greedy)})["g"]
+    out = generate_all(engine, {
+        "tiny_top_p": ("Tiny values", SamplingParams(max_tokens=12, temperature=0.7, top_p=1e-300, ignore_eos=True)),
+        "tiny_temperature": ("Tiny values", SamplingParams(max_tokens=12, temperature=1e-300, ignore_eos=True)),
+        "both": ("Tiny values", SamplingParams(max_tokens=12, temperature=1e-30, top_p=1e-40, ignore_eos=True)),
+        "bystander": ("Tiny values", greedy),
+    })
+    # The nucleus of top_p ~ 0 is the top token alone, and a temperature ~ 0 is greedy: all four
+    # give the greedy tokens, and the bystander is unharmed.
+    assert out == {name: reference for name in out}
+    assert set(reference) != {0}
