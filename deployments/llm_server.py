@@ -21,7 +21,7 @@ from deployments.errors import APIError, internal, invalid, not_ready, overloade
 from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, TTFT_BUCKETS_S, Histogram,
                                  family_dict)
 from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo
-from model_worker.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from model_worker.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed, RequestStream
 from model_worker.config import EngineConfig
 from model_worker.outputs import RequestOutput
 from model_worker.sampling_params import SamplingParams, SamplingParamsError
@@ -267,6 +267,8 @@ async def _outputs(stream: RequestStream) -> AsyncIterator[RequestOutput]:
             yield out
     except EngineDeadError as exc:
         raise not_ready(f"the engine stopped while serving this request: {exc}") from None
+    except RequestFailed as exc:  # this request made a step fail; the engine and the rest go on
+        raise APIError(str(exc), 500, "internal_error", None, "generation_failed") from None
     except APIError:
         raise
     except Exception as exc:

@@ -4,7 +4,7 @@ Importing this package does not import torch; the torch model runner loads when 
 built without an injected runner.
 """
 
-from model_worker.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from model_worker.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed, RequestStream
 from model_worker.config import EngineConfig
 from model_worker.engine import LLMEngine
 from model_worker.hashing import hash_block_tokens, hash_prompt_blocks
@@ -22,7 +22,7 @@ def default_model_path(cache_dir: str | None = None) -> str:
 
 
 __all__ = [
-    "AsyncLLMEngine", "EngineConfig", "EngineDeadError", "RequestStream", "LLMEngine", "Priority", "RequestOutput",
-    "RequestRejected", "RequestStatus", "SamplingParams", "SamplingParamsError", "default_model_path",
+    "AsyncLLMEngine", "EngineConfig", "EngineDeadError", "LLMEngine", "Priority", "RequestFailed", "RequestOutput",
+    "RequestRejected", "RequestStream", "RequestStatus", "SamplingParams", "SamplingParamsError", "default_model_path",
     "hash_block_tokens", "hash_prompt_blocks",
 ]

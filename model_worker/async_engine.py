@@ -27,6 +27,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error; every request after that fails with this."""
 
 
+class RequestFailed(RuntimeError):
+    """The engine failed on this request (a step raised on it alone); other requests go on."""
+
+
 class RequestStream:
     """The outputs of one queued request, in order. Closing it before the finished output aborts
     the request in the engine (at the next step boundary) and frees its KV blocks."""
@@ -256,7 +260,7 @@ class AsyncLLMEngine:
 
 def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
     for stream, out in items:
-        stream.queue.put_nowait(out)
+        stream.queue.put_nowait(RequestFailed(out.error) if out.error is not None else out)
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

@@ -103,6 +103,15 @@ class BlockPool:
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
 
+    def uncache(self, block_id: int) -> None:
+        """Drop one block from the prefix cache (its contents are invalid); it stays allocated."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+
     def reset_prefix_cache(self) -> None:
         for block in self._cached.values():
             block.block_hash = None

@@ -2,6 +2,12 @@
 
 The engine owns a scheduler (pure Python), a model runner (torch) and the detokenizers. Only the
 scheduler changes request state; the engine turns sampled tokens into text and outputs.
+
+A step that raises fails only the requests that caused it (model_worker/fault_isolation.py): they
+finish with finish_reason "error" and an `error` message, their half-written KV blocks leave the
+prefix cache, and the rest of the batch goes on. A runner that fails with no request to blame
+requeues the batch; after MAX_RUNNER_FAILURES_IN_A_ROW such steps, step() raises EngineBroken, so
+that the replica is replaced rather than left half alive.
 """
 
 from __future__ import annotations
@@ -11,14 +17,24 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from model_worker.batch import ModelRunner
+from model_worker.batch import ModelRunner, ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.detokenizer import IncrementalDetokenizer
+from model_worker.fault_isolation import IsolatedStep, execute_isolating
 from model_worker.outputs import RequestOutput
 from model_worker.request import Priority, Request, RequestStatus, RequestTimings
 from model_worker.sampling_params import SamplingParams
 from model_worker.scheduler import RequestRejected, Scheduler
 from model_worker.stats import RollingStats
+
+# Steps in a row that the runner failed with no request to blame (its probe failed too) before
+# the engine gives up. One is a transient fault (a CUDA OOM spike, an interrupted kernel); three in
+# a row with every request requeued each time is a broken device.
+MAX_RUNNER_FAILURES_IN_A_ROW = 3
+
+
+class EngineBroken(RuntimeError):
+    """The runner keeps failing without any request's fault: the engine cannot serve."""
 
 
 class LLMEngine:
@@ -52,7 +68,10 @@ class LLMEngine:
         self.step_time_s = 0.0
         self.num_prompt_tokens_total = 0
         self.num_generated_tokens_total = 0
-        self.num_finished = {"stop": 0, "length": 0, "abort": 0}
+        self.num_finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
+        # Steps the runner failed with no request to blame, in a row and in all.
+        self.num_runner_failures_in_a_row = 0
+        self.num_runner_failures = 0
 
     @property
     def max_model_len(self) -> int:
@@ -124,11 +143,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start_s = self.clock()
         batch = self.scheduler.schedule()
-        sampled = self.runner.execute(batch) if not batch.is_empty else []
+        outputs: dict[str, RequestOutput] = {}
+        sampled: list[int] = []
+        if not batch.is_empty:
+            batch, sampled = self._execute(batch, outputs)
         if not batch.is_empty and self.config.emulated_step_time_s > 0:
             self._pad_step(start_s)
         progressed = self.scheduler.update(batch, sampled)
-        outputs = {req.request_id: self._progress_output(req) for req in progressed}
+        for request in progressed:
+            outputs[request.request_id] = self._progress_output_or_error(request)
         for request in self.scheduler.take_finished():
             self._finish_output(request, outputs)
         now_s = self.clock()
@@ -138,6 +161,100 @@ class LLMEngine:
         self._rolling.record_tokens(now_s, len(progressed))
         self.num_generated_tokens_total += len(progressed)
         return list(outputs.values())
+
+    # ---- fault containment ---------------------------------------------------------------------
+
+    def _execute(self, batch: SchedulerOutput, outputs: dict[str, RequestOutput]) -> tuple[SchedulerOutput, list[int]]:
+        """The runner over the batch; the sequences that ran and their tokens. Culprits of a
+        failure get an error output; a failure with no culprit requeues the batch."""
+        isolated = execute_isolating(self.runner.execute, batch, self._probe_runner)
+        if isolated.runner_error is not None:
+            self._runner_failed(batch, isolated.runner_error)
+            return SchedulerOutput(), []
+        self.num_runner_failures_in_a_row = 0
+        if not isolated.culprits:
+            return isolated.batch, isolated.sampled
+        return self._drop_culprits(isolated, outputs)
+
+    def _drop_culprits(self, isolated: IsolatedStep, outputs: dict[str, RequestOutput]
+                       ) -> tuple[SchedulerOutput, list[int]]:
+        """Fail each culprit. A survivor that reads a block a culprit was to write this step (a
+        prefix hit taken in the same step) read garbage: it is recomputed, its token dropped."""
+        tainted: set[int] = set()
+        for seq, exc in isolated.culprits:
+            written = self._written_block_ids(seq)
+            tainted.update(written)
+            self.scheduler.kv.uncache(written)
+            request = self.scheduler.requests.get(seq.request_id)
+            if request is not None:  # (a static batch's padding row belongs to no live request)
+                outputs[request.request_id] = self._fail(request, f"the model failed on this request: "
+                                                                  f"{type(exc).__name__}: {exc}")
+        kept: list[ScheduledSequence] = []
+        kept_tokens: list[int] = []
+        tokens = iter(isolated.sampled)
+        for seq in isolated.batch.sequences:
+            token = next(tokens) if seq.sample else None
+            if tainted.intersection(seq.block_table[:self._num_blocks(seq.context_len)]):
+                self.scheduler.kv.uncache(self._written_block_ids(seq))
+                self.scheduler.requeue(seq.request_id)
+                continue
+            kept.append(seq)
+            if token is not None:
+                kept_tokens.append(token)
+        return SchedulerOutput(sequences=kept, num_scheduled_tokens=sum(len(q.token_ids) for q in kept)), kept_tokens
+
+    def _runner_failed(self, batch: SchedulerOutput, error: BaseException) -> None:
+        """No request to blame: every request of the step is recomputed later; give up after a few."""
+        self.num_runner_failures += 1
+        self.num_runner_failures_in_a_row += 1
+        for seq in reversed(batch.sequences):  # reversed: requeued to the front, they keep their order
+            self.scheduler.kv.uncache(self._written_block_ids(seq))
+            self.scheduler.requeue(seq.request_id)
+        if self.num_runner_failures_in_a_row >= MAX_RUNNER_FAILURES_IN_A_ROW:
+            raise EngineBroken(f"the model runner failed {self.num_runner_failures_in_a_row} steps in a row, "
+                               f"a one-token probe included: {type(error).__name__}: {error}") from error
+
+    def _probe_runner(self) -> BaseException | None:
+        """A one-token forward that no request owns, in a block borrowed from the pool: None if the
+        runner works. Without a free block there is no probe, and the runner is presumed to work
+        (so requests that fail alone are still the ones blamed)."""
+        pool = self.scheduler.kv.pool
+        if pool.num_free_blocks == 0:
+            return None
+        (block,) = pool.allocate(1)
+        probe = ScheduledSequence(request_id="iterserve-probe", token_ids=[0], start_position=0,
+                                  block_table=[block.block_id], sample=True,
+                                  sampling_params=SamplingParams(max_tokens=1, temperature=0.0))
+        try:
+            self.runner.execute(SchedulerOutput(sequences=[probe], num_scheduled_tokens=1))
+        except Exception as exc:
+            return exc
+        finally:
+            pool.free([block])
+        return None
+
+    def _written_block_ids(self, seq: ScheduledSequence) -> list[int]:
+        """Blocks this step writes into: from the one holding start_position to the last."""
+        return seq.block_table[seq.start_position // self.config.block_size:self._num_blocks(seq.context_len)]
+
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        """End a live request with an error output; its blocks are freed at once."""
+        self._detokenizers.pop(request.request_id, None)
+        self.scheduler.abort(request.request_id)
+        self.num_finished["error"] += 1
+        return RequestOutput(request_id=request.request_id, finished=True, finish_reason="error", error=message,
+                             num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
+                             num_cached_tokens=max(request.num_cached_tokens, 0), timings=request.timings)
+
+    def _progress_output_or_error(self, request: Request) -> RequestOutput:
+        """A tokenizer that raises on one request's tokens fails that request alone."""
+        try:
+            return self._progress_output(request)
+        except Exception as exc:
+            return self._fail(request, f"detokenizing this request failed: {type(exc).__name__}: {exc}")
 
     def _pad_step(self, start_s: float) -> None:
         """Sleep out the rest of the emulated step time: the outputs, and the token timestamps the

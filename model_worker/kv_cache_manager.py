@@ -82,6 +82,12 @@ class KVCacheManager:
             self.pool.cache(owned[index], request.block_hashes[index], tokens)
         self._num_cached[request.request_id] = max(start, num_full)
 
+    def uncache(self, block_ids: list[int]) -> None:
+        """These blocks' contents are not what their hashes say (a failed step wrote them): take
+        them out of the prefix cache, so that no later request can hit them."""
+        for block_id in block_ids:
+            self.pool.uncache(block_id)
+
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, None)
         self._block_ids.pop(request.request_id, None)

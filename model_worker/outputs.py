@@ -15,7 +15,8 @@ class RequestOutput:
     # Text that became final this step: never half a UTF-8 character, never a stop string.
     text_delta: str = ""
     finished: bool = False
-    # "stop" (EOS, stop string or stop token), "length" (max_tokens), or None while running.
+    # "stop" (EOS, stop string or stop token), "length" (max_tokens), "error" (the step failed on
+    # this request: `error` says how), or None while running.
     finish_reason: str | None = None
     # The stop string or stop token id that ended the request, if one did.
     stop_reason: int | str | None = None
@@ -26,3 +27,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Set on the finished output.
     timings: RequestTimings | None = None
+    # Why the request failed, with finish_reason "error"; None otherwise.
+    error: str | None = None

@@ -120,6 +120,14 @@ class Scheduler:
             request.stop_reason = stop_reason
             self._finish(request, status)
 
+    def requeue(self, request_id: str) -> None:
+        """A running request whose step did not count (the runner failed) goes back to the head of
+        the queue and is recomputed, like a preempted one; its output tokens stay."""
+        request = self.requests.get(request_id)
+        if request is not None and request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._preempt(request)
+
     def take_finished(self) -> list[Request]:
         """Requests whose end should be reported now."""
         if self._held and not self.running:

@@ -101,3 +101,37 @@ def test_numerically_extreme_parameters_never_reach_a_step_as_nan(model_path):
     # give the greedy tokens, and the bystander is unharmed.
     assert out == {name: reference for name in out}
     assert set(reference) != {0}
+
+
+def test_a_step_that_raises_on_one_request_fails_only_that_request(model_path):
+    """The real runner, with a sampler that raises on one request's row (as the top_p bug did):
+    that request fails with the error, the others in its batch produce their solo tokens, and the
+    engine goes on serving."""
+    engine = LLMEngine(EngineConfig(model=model_path, num_kv_blocks=256))
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = {f"r{i}": f"bystander number {i}" for i in range(4)}
+    solo = {rid: generate_all(engine, {rid: (prompt, greedy)})[rid] for rid, prompt in prompts.items()}
+    sample = engine.runner.sampler.sample
+
+    def sample_or_raise(logits, params, output_indices):
+        if any(p.seed == 13 for p in params):
+            raise IndexError("index -1 is out of bounds for dimension 1 with size 256")
+        return sample(logits, params, output_indices)
+
+    engine.runner.sampler.sample = sample_or_raise
+    poison = SamplingParams(max_tokens=10, temperature=0.8, seed=13, ignore_eos=True)
+    requests = {**{rid: (p, greedy) for rid, p in prompts.items()}, "poison": ("poison", poison)}
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["poison"].finish_reason == "error" and "IndexError" in finals["poison"].error
+    assert {rid: tokens[rid] for rid in prompts} == solo
+    assert generate_all(engine, {"after": ("bystander number 0", greedy)})["after"] == solo["r0"]
+    stats = engine.stats()
+    assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
