@@ -9,6 +9,7 @@ from typing import Any
 from autoscaler.admission import AdmissionPolicy
 from autoscaler.policy import AutoscalerConfig
 from deployments.llm_server import AdmissionConfig
+from deployments.retry_policy import RetryPolicy
 from router.policy import RouterConfig
 
 
@@ -54,6 +55,15 @@ class AppArgs:
     router: dict[str, Any] = field(default_factory=lambda: {"policy": "prefix_aware"})
     # How often each replica reports its load and prefix cache to the routers (Serve polls it).
     routing_stats_period_s: float = 1.0
+    # Serve's health check of every replica: how often, and how long one may take. Three failures
+    # in a row replace the replica: an engine that stopped is noticed within ~3 s, a frozen replica
+    # within ~3 timeouts.
+    health_check_period_s: float = 1.0
+    health_check_timeout_s: float = 3.0
+    # RetryPolicy fields (deployments/handle_backend.py): max_attempts, first_reply_timeout_s,
+    # stall_timeout_s, backoff_s. How the ingress fails a request over to another replica when
+    # its replica dies, freezes or refuses, resuming a stream where the client's stands.
+    retry: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.autoscaling is not None and self.num_replicas is not None:
@@ -66,12 +76,12 @@ class AppArgs:
         if not isinstance(self.max_queued_requests, int) or not (self.max_queued_requests == -1
                                                                  or self.max_queued_requests >= 1):
             raise ValueError(f"max_queued_requests must be -1 or >= 1, got {self.max_queued_requests!r}")
-        for name in ("routing_stats_period_s", "drain_timeout_s"):
+        for name in ("routing_stats_period_s", "drain_timeout_s", "health_check_period_s", "health_check_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
                 raise ValueError(f"{name} must be > 0, got {value!r}")
         for name in ("engine_args", "admission", "ingress_admission", "llm_server_actor_options",
-                     "ingress_actor_options", "router"):
+                     "ingress_actor_options", "router", "retry"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
         if self.autoscaling is not None:
@@ -80,6 +90,7 @@ class AppArgs:
             AutoscalerConfig(**{k: v for k, v in self.autoscaling.items() if k != "initial_replicas"})
         AdmissionConfig(**self.admission)
         AdmissionPolicy(**self.ingress_admission)
+        RetryPolicy(**self.retry)
         router = {k: v for k, v in self.router.items() if k not in ("dispatch_ttl_s", "seed")}
         RouterConfig(**router)
 

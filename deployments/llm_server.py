@@ -32,6 +32,17 @@ PRIORITIES = ("interactive", "batch")
 # The autoscaler's TTFT p90 covers first tokens of the last this many seconds: short enough that a
 # surge shows within seconds, long enough to hold a few dozen samples at a few requests per second.
 TTFT_WINDOW_S = 5.0
+# A stream with no output for this long gets a keep-alive chunk, so the ingress can tell a request
+# that waits (queued, or a long prefill) from a replica that is frozen or gone.
+KEEPALIVE_INTERVAL_S = 1.0
+# Keep-alives stop once the engine thread has not begun a step for this long: a step that hangs
+# (a stuck kernel) must look like a dead replica to the ingress, which then migrates its streams.
+# Far above any step's time (a full token budget of prefill is well under a second on a GPU).
+ENGINE_STALL_S = 5.0
+# check_health fails once the engine thread has not begun a step for this long, and Serve
+# replaces the replica. Longer than ENGINE_STALL_S: the streams have been migrated by then, and
+# a replica is only killed for a hang, never for one slow step.
+ENGINE_HUNG_S = 30.0
 
 
 @dataclass(slots=True)
@@ -64,7 +75,9 @@ class LLMServer:
     def __init__(self, model: str | None = None, engine_args: dict[str, Any] | None = None, *,
                  served_model_name: str | None = None, admission: dict[str, Any] | AdmissionConfig | None = None,
                  engine: AsyncLLMEngine | None = None, replica_id: str | None = None,
-                 clock: Callable[[], float] = time.monotonic, ttft_window_s: float = TTFT_WINDOW_S) -> None:
+                 clock: Callable[[], float] = time.monotonic, ttft_window_s: float = TTFT_WINDOW_S,
+                 keepalive_interval_s: float = KEEPALIVE_INTERVAL_S, engine_stall_s: float = ENGINE_STALL_S,
+                 engine_hung_s: float = ENGINE_HUNG_S) -> None:
         # Seconds from here until the engine could serve, by part (weights, tokenizer, kv_cache)
         # and in total: what a new replica costs before it takes traffic.
         started_s = time.perf_counter()
@@ -101,6 +114,11 @@ class LLMServer:
         self.ttft_window_s = ttft_window_s
         self._recent_ttfts_s: deque[tuple[float, float]] = deque()
         self._report_seq = 0
+        self.keepalive_interval_s = keepalive_interval_s
+        self.engine_stall_s = engine_stall_s
+        self.engine_hung_s = engine_hung_s
+        # Requests that continued another replica's output (migrated by the ingress).
+        self.num_resumed = 0
         self.ttft_s = Histogram(TTFT_BUCKETS_S)
         self.itl_s = Histogram(ITL_BUCKETS_S)
         self.e2e_s = Histogram(E2E_BUCKETS_S)
@@ -111,11 +129,15 @@ class LLMServer:
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         """Stream a request. The first chunk (no tokens) confirms admission: every error a request
         can cause is raised before it, as an APIError. Closing the stream early aborts the request.
+        While no output comes, a keep-alive chunk goes out every keepalive_interval_s for as long
+        as the engine thread is working.
 
         Outputs that piled up while the consumer was busy go out as one chunk: under load a token
         costs a Ray message and an SSE event on every hop, and coalescing keeps that cost per
         chunk, not per token, while an idle consumer still gets every token at once."""
         stream = self._admit(request)
+        resumed = bool(request.resumed_token_ids)
+        self.num_resumed += resumed
         waiting = True
         self.num_waiting[request.priority] += 1
         key = next(self._request_keys)
@@ -123,7 +145,11 @@ class LLMServer:
         try:
             yield GenerationChunk(request.request_id, num_prompt_tokens=len(request.prompt_token_ids),
                                   replica_id=self.replica_id)
-            async for out in _outputs(stream):
+            async for out in _outputs(stream, self.keepalive_interval_s):
+                if out is None:
+                    if self.engine.seconds_since_alive() < self.engine_stall_s:
+                        yield GenerationChunk(request.request_id, keepalive=True, replica_id=self.replica_id)
+                    continue
                 chunk = _chunk(out)
                 for later in stream.ready():
                     chunk.extend(_chunk(later))
@@ -131,9 +157,11 @@ class LLMServer:
                 if waiting and chunk.token_ids:
                     waiting = False
                     self.num_waiting[request.priority] -= 1
-                    self._first_token(self._waiting_since_s.pop(key))
+                    admitted_s = self._waiting_since_s.pop(key)
+                    if not resumed:  # a resumed request's first token is not a time to first token
+                        self._first_token(admitted_s)
                 if out.finished:
-                    self._observe(out)
+                    self._observe(out, resumed)
                 yield chunk
         finally:
             stream.close()
@@ -161,7 +189,8 @@ class LLMServer:
                              self.admission.retry_after_s)
         try:
             return self.engine.add_request(request.prompt_token_ids, request.params, request_id=request.request_id,
-                                           priority=request.priority, cache_key=request.cache_key)
+                                           priority=request.priority, cache_key=request.cache_key,
+                                           resumed_token_ids=request.resumed_token_ids)
         except RequestRejected as exc:
             raise invalid(exc.param, str(exc), exc.code) from None
         except SamplingParamsError as exc:
@@ -180,11 +209,11 @@ class LLMServer:
         while self._recent_ttfts_s and self._recent_ttfts_s[0][0] < now_s - self.ttft_window_s:
             self._recent_ttfts_s.popleft()
 
-    def _observe(self, out: RequestOutput) -> None:
+    def _observe(self, out: RequestOutput, resumed: bool = False) -> None:
         timings = out.timings
         if timings is None or out.finish_reason == "abort":
             return
-        if timings.ttft_s is not None:
+        if timings.ttft_s is not None and not resumed:
             self.ttft_s.observe(timings.ttft_s)
         if timings.queue_s is not None:
             self.queue_s.observe(timings.queue_s)
@@ -200,9 +229,14 @@ class LLMServer:
         return self.info
 
     async def check_health(self) -> None:
-        """Serve restarts a replica whose health check raises."""
+        """Serve restarts a replica whose health check raises: an engine thread that stopped, or
+        one that has not begun a step for engine_hung_s."""
         if not self.engine.is_running:
             raise RuntimeError(f"the engine thread on replica {self.replica_id} has stopped")
+        stalled_s = self.engine.seconds_since_alive()
+        if stalled_s > self.engine_hung_s:
+            raise RuntimeError(f"the engine thread on replica {self.replica_id} has not begun a step for "
+                               f"{stalled_s:.0f} s")
 
     async def ready(self) -> dict[str, Any]:
         return {"replica": self.replica_id, "model_loaded": True, "engine_running": self.engine.is_running,
@@ -211,9 +245,11 @@ class LLMServer:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Replica stats for the request router, polled by the Serve controller: load, free KV
         blocks and every block hash the prefix cache holds; `report_seq` tells a new report."""
-        stats = await self.engine.stats(include_block_hashes=True)
         self._report_seq += 1
-        return {"replica": self.replica_id, "report_seq": self._report_seq,
+        if not self.engine.is_running:  # routers stop choosing it at once, before Serve replaces it
+            return {"replica": self.replica_id, "report_seq": self._report_seq, "engine_running": False}
+        stats = await self.engine.stats(include_block_hashes=True)
+        return {"replica": self.replica_id, "report_seq": self._report_seq, "engine_running": True,
                 **{k: v for k, v in stats.items() if not isinstance(v, dict)}}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
@@ -261,9 +297,14 @@ class LLMServer:
             engine.shutdown(timeout_s=1.0)
 
 
-async def _outputs(stream: RequestStream) -> AsyncIterator[RequestOutput]:
+async def _outputs(stream: RequestStream, tick_s: float) -> AsyncIterator[RequestOutput | None]:
+    """The stream's outputs, with None whenever tick_s passed without one; errors as APIErrors."""
     try:
-        async for out in stream:
+        while True:
+            try:
+                out = await stream.next_within(tick_s)
+            except StopAsyncIteration:
+                return
             yield out
     except EngineDeadError as exc:
         raise not_ready(f"the engine stopped while serving this request: {exc}") from None
@@ -337,6 +378,9 @@ def _families(server: LLMServer, stats: dict[str, Any]) -> list[dict[str, Any]]:
                     [({}, stats["num_preemptions"])]),
         family_dict("iterserve_requests_shed_total", "counter", "Requests refused with 429 under overload.",
                     [({"priority": p}, n) for p, n in server.num_shed.items()]),
+        family_dict("iterserve_requests_resumed_total", "counter",
+                    "Requests this replica continued after another replica died or stalled.",
+                    [({}, server.num_resumed)]),
         family_dict("iterserve_model_load_seconds", "gauge",
                     "Seconds this replica spent loading before it could serve, by part.",
                     [({"part": part}, seconds) for part, seconds in server.load_times_s.items()]),

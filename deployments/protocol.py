@@ -25,6 +25,14 @@ class GenerateRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # Mixed into every block hash: requests with different keys never share KV blocks.
     cache_key: str | None = None
+    # Output tokens an earlier replica already sent to the client (the ingress migrates a request
+    # whose replica died or stalled): this replica continues after them, exactly as that one would.
+    resumed_token_ids: list[int] = field(default_factory=list)
+    # Replicas that already failed this request: the router sends it elsewhere while it can.
+    avoid_replica_ids: list[str] = field(default_factory=list)
+    # Written by the request router in the caller's process: the replica it chose for the latest
+    # attempt, so that a caller whose attempt hung before any reply knows which replica to avoid.
+    routed_replica_id: str | None = None
 
     def __post_init__(self) -> None:
         self.priority = Priority.parse(self.priority).name.lower()
@@ -51,10 +59,15 @@ class GenerationChunk:
     metrics: dict[str, float] | None = None
     # The LLMServer replica that served the request (routing tests and debugging).
     replica_id: str | None = None
+    # No progress, only proof of life: the replica and its engine thread are working (sent about
+    # once a second while a request waits), so a caller can tell a slow request from a dead replica.
+    keepalive: bool = False
 
     def extend(self, later: "GenerationChunk") -> None:
         """Fold a later chunk of the same request into this one: texts and tokens add up, the rest
-        is the later one's."""
+        is the later one's. Keep-alives carry nothing and change nothing."""
+        if later.keepalive:
+            return
         self.text += later.text
         self.token_ids.extend(later.token_ids)
         self.finished = later.finished

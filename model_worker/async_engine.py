@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -35,7 +36,7 @@ class RequestStream:
     """The outputs of one queued request, in order. Closing it before the finished output aborts
     the request in the engine (at the next step boundary) and frees its KV blocks."""
 
-    __slots__ = ("request_id", "loop", "queue", "finished", "_owner", "_error")
+    __slots__ = ("request_id", "loop", "queue", "finished", "_owner", "_error", "_getter")
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: "AsyncLLMEngine") -> None:
         self.request_id = request_id
@@ -44,6 +45,8 @@ class RequestStream:
         self.finished = False
         self._owner = owner
         self._error: BaseException | None = None
+        # A pending queue.get() of next_within() that timed out, kept for the next call.
+        self._getter: asyncio.Future[RequestOutput | BaseException] | None = None
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -55,10 +58,33 @@ class RequestStream:
             item: RequestOutput | BaseException = self._error
         else:
             try:
-                item = await self.queue.get()
+                item = await (self._take_getter() or self.queue.get())
             except BaseException:
                 self.close()
                 raise
+        return self._accept(item)
+
+    async def next_within(self, timeout_s: float) -> RequestOutput | None:
+        """The next output, or None if none came within timeout_s; the request stays live (a
+        consumer sends keep-alives meanwhile). Raises StopAsyncIteration after the last output."""
+        if self.finished or self._error is not None or not self.queue.empty():
+            return await self.__anext__()
+        if self._getter is None:
+            self._getter = asyncio.ensure_future(self.queue.get())
+        try:
+            done, _ = await asyncio.wait({self._getter}, timeout=timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        if not done:
+            return None
+        return self._accept(self._take_getter().result())
+
+    def _take_getter(self) -> "asyncio.Future[RequestOutput | BaseException] | None":
+        getter, self._getter = self._getter, None
+        return getter
+
+    def _accept(self, item: RequestOutput | BaseException) -> RequestOutput:
         if isinstance(item, BaseException):
             self.finished = True
             self._owner._forget(self.request_id)
@@ -86,16 +112,27 @@ class RequestStream:
 
     def close(self) -> None:
         """Abort the request unless it already finished; safe to call more than once."""
+        getter = self._take_getter()
+        if getter is not None:
+            getter.cancel()
         if not self.finished:
             self.finished = True
             self._owner._forget(self.request_id)
             self._owner._submit(lambda: self._owner.engine.abort(self.request_id))
 
 
+# An idle engine thread still wakes this often, so that `seconds_since_alive` tells an idle engine
+# from a stuck one.
+IDLE_TICK_S = 0.5
+
+
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None,
-                 **engine_kwargs: Any) -> None:
+                 liveness_clock: Callable[[], float] = time.monotonic, **engine_kwargs: Any) -> None:
         self.engine = engine if engine is not None else LLMEngine(config, **engine_kwargs)
+        self._liveness_clock = liveness_clock
+        # When the engine thread last began a loop iteration (a step, or an idle tick).
+        self._alive_s = liveness_clock()
         self._commands: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}
@@ -113,21 +150,28 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
+    def seconds_since_alive(self) -> float:
+        """Seconds since the engine thread last started a step or an idle tick: at most a step's
+        time (or IDLE_TICK_S) while it works; it grows while a step hangs."""
+        return max(0.0, self._liveness_clock() - self._alive_s)
+
     # ---- public API (event loop side) --------------------------------------------------------
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: Priority | str | int = Priority.INTERACTIVE,
-                    cache_key: str | None = None) -> RequestStream:
+                    cache_key: str | None = None, resumed_token_ids: Sequence[int] = ()) -> RequestStream:
         """Validate and queue a request; iterate the returned stream for its outputs.
 
         Everything that can fail for a bad request (tokenizing, token ids, length, priority,
         a duplicate id) raises here, before anything is queued. Call from the event loop.
+        `resumed_token_ids`: see LLMEngine.add_request.
         """
         if self._error is not None or self._stopped:
             raise EngineDeadError("the engine is not running") from self._error
         request_id = request_id or uuid.uuid4().hex
         params = params if params is not None else SamplingParams()
         token_ids = self.engine.tokenize(prompt)
+        resumed = self.engine.check_resumed(resumed_token_ids, params)
         self.engine.scheduler.check_fits(len(token_ids), params.max_tokens)
         priority = Priority.parse(priority)
         stream = RequestStream(request_id, asyncio.get_running_loop(), self)
@@ -141,7 +185,7 @@ class AsyncLLMEngine:
         def add() -> None:
             try:
                 self.engine.add_request(request_id, token_ids, params, priority, arrival_time=arrival_s,
-                                        cache_key=cache_key)
+                                        cache_key=cache_key, resumed_token_ids=resumed)
             except Exception as exc:  # a rejection here is delivered to the stream, not the loop
                 self._deliver_error(request_id, exc)
 
@@ -150,9 +194,11 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: Priority | str | int = Priority.INTERACTIVE,
-                       cache_key: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_key: str | None = None, resumed_token_ids: Sequence[int] = ()
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Leaving the loop early (break, cancel) aborts it."""
-        stream = self.add_request(prompt, params, request_id=request_id, priority=priority, cache_key=cache_key)
+        stream = self.add_request(prompt, params, request_id=request_id, priority=priority, cache_key=cache_key,
+                                  resumed_token_ids=resumed_token_ids)
         try:
             async for out in stream:
                 yield out
@@ -209,9 +255,10 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             while not self._stopped:
+                self._alive_s = self._liveness_clock()
                 self._apply_commands()
                 if not self.engine.has_unfinished():
-                    self._wakeup.wait()
+                    self._wakeup.wait(IDLE_TICK_S)
                     self._wakeup.clear()
                     continue
                 self._dispatch(self.engine.step())

@@ -97,13 +97,19 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     priority: Priority | str | int = Priority.INTERACTIVE, arrival_time: float | None = None,
-                    cache_key: str | None = None) -> Request:
-        """Queue a request; raise RequestRejected (a ValueError) if it can never be served."""
+                    cache_key: str | None = None, resumed_token_ids: Sequence[int] = ()) -> Request:
+        """Queue a request; raise RequestRejected (a ValueError) if it can never be served.
+
+        `resumed_token_ids` are output tokens another engine already produced for this request (the
+        ingress migrates a request whose replica died): it continues after them exactly as a
+        preempted request would, its prompt and those tokens recomputed, seeded draws indexed from
+        there, max_tokens counting them, and their text never emitted again."""
         if not isinstance(request_id, str) or not request_id:
             raise RequestRejected("request_id must be a non-empty string", param="request_id")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestRejected("params must be a SamplingParams", param="params")
+        resumed = self.check_resumed(resumed_token_ids, params)
         request = Request(
             request_id=request_id,
             prompt_token_ids=self.tokenize(prompt),
@@ -111,13 +117,28 @@ class LLMEngine:
             priority=Priority.parse(priority),
             timings=RequestTimings(arrival_s=self.clock() if arrival_time is None else arrival_time),
             cache_key=cache_key,
+            output_token_ids=resumed,
         )
         self.scheduler.add_request(request)
         if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.stop)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
+            for token in resumed:  # the same state as the engine that sent their text had
+                detokenizer.add_token(token)
+            self._detokenizers[request_id] = detokenizer
         self.num_prompt_tokens_total += request.num_prompt_tokens
         return request
+
+    def check_resumed(self, resumed_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """Resumed output tokens, checked: token ids, and fewer than max_tokens."""
+        if not resumed_token_ids:
+            return []
+        resumed = self.tokenize(list(resumed_token_ids)) if isinstance(resumed_token_ids, (list, tuple)) else None
+        if resumed is None:
+            raise RequestRejected("resumed_token_ids must be a list of token ids", param="resumed_token_ids")
+        if len(resumed) >= params.max_tokens:
+            raise RequestRejected(f"{len(resumed)} resumed tokens leave nothing to generate within max_tokens "
+                                  f"{params.max_tokens}", param="resumed_token_ids")
+        return resumed
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in any state; its blocks are free when this returns."""

@@ -241,9 +241,10 @@ class Scheduler:
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:
         if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit_tokens
+            # Prompt tokens only: a resumed request (model_worker.engine) may hit its outputs too.
+            request.num_cached_tokens = min(num_hit_tokens, request.num_prompt_tokens)
             self.prefix_query_tokens += request.num_prompt_tokens
-            self.prefix_hit_tokens += num_hit_tokens
+            self.prefix_hit_tokens += request.num_cached_tokens
         request.num_computed_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=_running_key)

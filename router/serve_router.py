@@ -56,15 +56,21 @@ class PrefixAwareRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self._fold_reports(by_id, now_s)
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        eligible = _eligible(by_id, request)
         hashes = list(getattr(request, "block_hashes", None) or ())
-        snapshots = [self._snapshot(replica_id, r, now_s) for replica_id, r in by_id.items()]
-        hits = {rid: self.index.leading_hits(rid, hashes, now_s) for rid in by_id} if hashes else {}
+        snapshots = [self._snapshot(replica_id, by_id[replica_id], now_s) for replica_id in eligible]
+        hits = {rid: self.index.leading_hits(rid, hashes, now_s) for rid in eligible} if hashes else {}
         chosen = self.policy.choose(snapshots, hits, len(hashes), _blocks_needed(request, candidate_replicas))
         if hashes:
             self.index.record_dispatch(chosen, hashes, now_s)
         self._unsent.setdefault(chosen, deque()).append(now_s)
+        if request is not None and hasattr(request, "routed_replica_id"):
+            request.routed_replica_id = chosen  # the caller's own object: it names a replica that hangs
         self.decision_times_s.append(time.perf_counter() - started_s)
-        return [[by_id[chosen]]]
+        # The rest is Serve's fallback, tried (least loaded first) only when the chosen replica does
+        # not answer Serve's queue-length probe or is full: a frozen replica costs one probe timeout.
+        rest = [by_id[rid] for rid in eligible if rid != chosen]
+        return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
 
     def on_send_request(self, replica_id: Any) -> None:
         """Serve counts the request against the replica from now on: stop counting it here."""
@@ -95,6 +101,15 @@ class PrefixAwareRouter(RequestRouter):
         load += len(unsent or ())
         total = stats.get("num_total_kv_blocks", 0)
         return ReplicaSnapshot(replica_id, int(load), int(stats.get("num_free_kv_blocks", total)), int(total))
+
+
+def _eligible(by_id: dict[str, RunningReplica], request: Any) -> list[str]:
+    """Replica ids a request may go to: not one it already failed on (`avoid_replica_ids`), not
+    one whose last report says its engine stopped. If that leaves none, all: a try beats a wait."""
+    avoid = set(getattr(request, "avoid_replica_ids", None) or ())
+    eligible = [rid for rid, r in by_id.items()
+                if rid not in avoid and (r.routing_stats or {}).get("engine_running", True)]
+    return eligible or list(by_id)
 
 
 def _blocks_needed(request: Any, replicas: list[RunningReplica]) -> int:

@@ -136,3 +136,49 @@ def test_shutdown_ends_open_streams_with_an_error():
             await collect(engine, [5, 6], greedy(2))
 
     asyncio.run(main())
+
+
+def test_a_resumed_request_continues_exactly_where_another_engine_stopped():
+    """Migration: a second engine given the prompt and the first tokens produces the rest of the
+    tokens and text of an uninterrupted run (held-back text of a split character or a possible
+    stop string included), and counts every output token."""
+    tokenizer = ByteTokenizer()
+    prompt = [b + 3 for b in "resume héllo wörld".encode("utf-8")]
+
+    async def main():
+        whole = make_async(tokenizer=tokenizer, vocab_size=259)
+        resumed_engine = make_async(tokenizer=tokenizer, vocab_size=259)
+        try:
+            params = SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True, stop=["zz"])
+            tokens, text_after = [], []  # text_after[i]: text emitted once i + 1 tokens were out
+            text = ""
+            async for out in whole.generate(prompt, params):
+                tokens += out.new_token_ids
+                text += out.text_delta
+                text_after.append(text)
+            for cut in (1, 5, 11):
+                more, more_text, more_last = await collect(resumed_engine, prompt, params,
+                                                           resumed_token_ids=tokens[:cut])
+                assert tokens[:cut] + more == tokens
+                assert text_after[cut - 1] + more_text == text
+                assert more_last.num_output_tokens == len(tokens) and more_last.num_prompt_tokens == len(prompt)
+        finally:
+            whole.shutdown()
+            resumed_engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_resumed_tokens_are_checked():
+    engine = make_async()
+
+    async def main():
+        with pytest.raises(RequestRejected, match="nothing to generate"):
+            engine.add_request([5, 6], greedy(3), resumed_token_ids=[7, 8, 9])
+        with pytest.raises(RequestRejected, match="outside the vocabulary"):
+            engine.add_request([5, 6], greedy(3), resumed_token_ids=[10**6])
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()

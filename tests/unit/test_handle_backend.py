@@ -1,0 +1,196 @@
+"""HandleBackend's failover and migration over fake handles to real LLMServers (fake KV runner).
+
+Each fake replica is a real LLMServer; the fake handle routes like the real router (first replica
+not in `avoid_replica_ids`, written back into `routed_replica_id`) and can kill a replica's
+streams (Ray's ActorDiedError) or freeze them (no chunk, no keep-alive, ever) after some chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from deployments.errors import APIError
+from deployments.handle_backend import HandleBackend
+from deployments.llm_server import LLMServer
+from deployments.protocol import GenerateRequest
+from deployments.retry_policy import RetryPolicy
+from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
+from tests.unit.fakes import ByteTokenizer, FakeKVRunner
+
+VOCAB = 259  # byte tokens 3..258: every token decodes
+
+
+def make_replica(replica_id: str) -> LLMServer:
+    runner = FakeKVRunner(256, 4, 1024, VOCAB, step_delay_s=0.002)
+    engine = LLMEngine(EngineConfig(block_size=4), model_runner=runner, tokenizer=ByteTokenizer())
+    return LLMServer(engine=AsyncLLMEngine(engine=engine), served_model_name="m", replica_id=replica_id,
+                     keepalive_interval_s=0.05)
+
+
+class FakeResponses:
+    def __init__(self, replica: LLMServer, request: GenerateRequest, fault: tuple[str, int] | None) -> None:
+        self.stream = replica.generate_stream(request)
+        self.fault = fault
+        self.sent = 0
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.fault is not None and self.sent >= self.fault[1]:
+            await self.stream.aclose()
+            if self.fault[0] == "kill":
+                raise ActorDiedError()
+            await asyncio.Event().wait()  # frozen: nothing ever comes
+        chunk = await self.stream.__anext__()
+        self.sent += 1
+        return chunk
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        asyncio.ensure_future(self.stream.aclose())
+
+
+class FakeHandle:
+    def __init__(self, replicas: dict[str, LLMServer]) -> None:
+        self.replicas = replicas
+        # replica id -> ("kill" | "freeze", chunks it sends first) for its next stream.
+        self.faults: dict[str, tuple[str, int]] = {}
+        self.calls: list[tuple[str, GenerateRequest]] = []
+        self.generate_stream = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, request: GenerateRequest) -> FakeResponses:
+        replica_id = next(r for r in self.replicas if r not in request.avoid_replica_ids)
+        request.routed_replica_id = replica_id
+        self.calls.append((replica_id, request))
+        return FakeResponses(self.replicas[replica_id], request, self.faults.pop(replica_id, None))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def cluster():
+    replicas = {name: make_replica(name) for name in ("r0", "r1", "r2")}
+    handle = FakeHandle(replicas)
+    backend = HandleBackend(handle, "app", "LLMServer",
+                            RetryPolicy(first_reply_timeout_s=0.5, stall_timeout_s=0.5, backoff_s=0.0))
+    yield handle, backend
+    for replica in replicas.values():
+        replica.shutdown()
+
+
+def request(max_tokens=24, **params):
+    prompt = [3 + b for b in b"migrate me"]
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **params)
+    return GenerateRequest(prompt, sampling, request_id="req")
+
+
+async def collect(backend, req):
+    chunks = [chunk async for chunk in backend.generate_stream(req)]
+    tokens = [t for c in chunks for t in c.token_ids]
+    return chunks, tokens, "".join(c.text for c in chunks)
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+@pytest.mark.parametrize("after_chunks", [1, 2, 6])
+def test_a_stream_whose_replica_dies_or_freezes_continues_on_another_whole(cluster, fault, after_chunks):
+    handle, backend = cluster
+
+    async def main():
+        _, clean_tokens, clean_text = await collect(backend, request())
+        handle.faults["r0"] = (fault, after_chunks)
+        chunks, tokens, text = await collect(backend, request())
+        return clean_tokens, clean_text, chunks, tokens, text
+
+    clean_tokens, clean_text, chunks, tokens, text = run(main())
+    assert tokens == clean_tokens and text == clean_text, "no token repeated or missing"
+    last = chunks[-1]
+    assert last.finished and last.finish_reason == "length"
+    assert last.num_output_tokens == 24 and last.num_prompt_tokens == len(request().prompt_token_ids)
+    assert [replica for replica, _ in handle.calls[-2:]] == ["r0", "r1"]
+    resumed = handle.calls[-1][1]
+    assert resumed.avoid_replica_ids == ["r0"] and resumed.request_id == "req-2"
+    assert len(resumed.resumed_token_ids) == sum(len(c.token_ids) for c in chunks[:after_chunks])
+    assert chunks[0].token_ids == [] and sum(1 for c in chunks if not c.token_ids and not c.finished) == 1
+    assert backend.num_migrated == (1 if after_chunks > 1 else 0)
+
+
+def test_a_seeded_request_continues_with_the_same_tokens(cluster):
+    """Sampling noise is drawn from (seed, output index): the next replica draws what the first
+    would have."""
+    handle, backend = cluster
+
+    async def main():
+        _, clean, _ = await collect(backend, request(seed=5))
+        handle.faults["r0"] = ("kill", 4)
+        _, migrated, _ = await collect(backend, request(seed=5))
+        return clean, migrated
+
+    clean, migrated = run(main())
+    assert migrated == clean
+
+
+def test_a_replica_that_never_answers_is_avoided(cluster):
+    handle, backend = cluster
+    handle.faults["r0"] = ("freeze", 0)
+    chunks, tokens, _ = run(collect(backend, request(max_tokens=5)))
+    assert len(tokens) == 5 and chunks[-1].finished
+    assert [r for r, _ in handle.calls] == ["r0", "r1"]
+
+
+def test_after_max_attempts_the_request_fails_with_a_clear_error(cluster):
+    handle, backend = cluster
+
+    async def main():
+        _, clean, _ = await collect(backend, request())
+        for name in ("r0", "r1", "r2"):
+            handle.faults[name] = ("kill", 3)
+        seen = []
+        with pytest.raises(APIError) as info:
+            async for chunk in backend.generate_stream(request()):
+                seen.append(chunk)
+        return clean, seen, info.value
+
+    clean, seen, error = run(main())
+    assert error.status == 503 and "3 model replicas" in error.message
+    assert [r for r, _ in handle.calls[1:]] == ["r0", "r1", "r2"]
+    tokens = [t for c in seen for t in c.token_ids]
+    assert 0 < len(tokens) < len(clean) and tokens == clean[:len(tokens)], "what was sent stays right"
+
+
+def test_errors_the_request_caused_are_not_retried(cluster):
+    handle, backend = cluster
+    bad = GenerateRequest([3, 4], SamplingParams(max_tokens=2000), request_id="long")  # over the context
+
+    async def main():
+        with pytest.raises(APIError) as info:
+            async for _ in backend.generate_stream(bad):
+                pass
+        return info.value
+
+    error = run(main())
+    assert error.status == 400 and error.code == "context_length_exceeded"
+    assert len(handle.calls) == 1
+
+
+def test_unary_generate_migrates_too(cluster):
+    handle, backend = cluster
+
+    async def main():
+        clean = await backend.generate(request())
+        handle.faults["r0"] = ("kill", 5)
+        migrated = await backend.generate(request())
+        return clean, migrated
+
+    clean, migrated = run(main())
+    assert migrated.text == clean.text and migrated.token_ids == clean.token_ids
+    assert migrated.num_output_tokens == 24 and migrated.finish_reason == "length"
