@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 import uuid
 from collections import deque
@@ -240,7 +241,7 @@ class LLMServer:
 
     async def ready(self) -> dict[str, Any]:
         return {"replica": self.replica_id, "model_loaded": True, "engine_running": self.engine.is_running,
-                "load_times_s": dict(self.load_times_s)}
+                "load_times_s": dict(self.load_times_s), "pid": os.getpid()}
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Replica stats for the request router, polled by the Serve controller: load, free KV

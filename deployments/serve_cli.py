@@ -35,10 +35,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--replicas must be >= 1")
     if not 0 < args.port < 65536:
         raise ValueError("--port must be in 1..65535")
-    import ray
-    from ray import serve
-
-    from deployments.app import AppArgs, build_app
+    from deployments.app_config import AppArgs
 
     engine_args = dict(args.engine_args)
     # Replicas share this machine's cores: give each its slice instead of all of them each.
@@ -52,7 +49,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"iterserve: starting Ray and {args.replicas} replica(s); the first start builds the embedded model",
           flush=True)
     started_s = time.monotonic()
-    ray.init(include_dashboard=args.dashboard, log_to_driver=True)
+    from deployments.local_ray import init_local_ray
+
+    init_local_ray(include_dashboard=args.dashboard, log_to_driver=True)
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -81,7 +85,8 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def _print_ready(args: argparse.Namespace, elapsed_s: float) -> None:
     base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
-    auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
+    # Never the key itself: banners end up in terminal scrollback, CI logs and screenshots.
+    auth = ' -H "Authorization: Bearer $ITERSERVE_API_KEY"' if args.api_key else ""
     print(f"\niterserve: ready in {elapsed_s:.0f}s. OpenAI-compatible API at {base}/v1 "
           f"(health {base}/health, metrics {base}/metrics)\n"
           f"  curl {base}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"

@@ -12,12 +12,13 @@ def free_port() -> int:
 
 
 def start_local_serve(num_cpus: int | None = None) -> str:
-    """Start Ray (no dashboard, workers' logs kept off the driver) and Serve's proxy on
-    127.0.0.1; return the proxy's base URL. `stop_local_serve` undoes it."""
-    import ray
+    """Start Ray (every listener on loopback, no dashboard, workers' logs kept off the driver) and
+    Serve's proxy on 127.0.0.1; return the proxy's base URL. `stop_local_serve` undoes it."""
     from ray import serve
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    from deployments.local_ray import init_local_ray
+
+    init_local_ray(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return f"http://127.0.0.1:{port}"

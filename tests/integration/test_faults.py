@@ -1,0 +1,250 @@
+"""Faults on a real local Ray (issue 11): replicas killed, frozen, or left with a dead engine, and
+the request shapes that took the service down. Each test asserts what clients saw.
+
+One application (two LLMServer replicas, engine steps padded to 50 ms so that streams last a few
+seconds) serves the module; after a test that hurt a replica, the next waits until Serve has
+replaced it and /health is 200 with both replicas ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from loadtest.local_serve import start_local_serve, stop_local_serve
+
+pytestmark = pytest.mark.integration
+
+APP = "faults"
+MODEL = "iterserve-faults"
+NUM_REPLICAS = 2
+# A client never waits longer than this for any response in this module: a hang fails the test.
+CLIENT_TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def app(default_model_dir):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    from ray import serve
+
+    from deployments.app import build_app
+
+    base = start_local_serve(num_cpus=2)
+    args = {"model": default_model_dir, "served_model_name": MODEL, "num_replicas": NUM_REPLICAS,
+            "engine_args": {"num_threads": 1, "max_num_seqs": 32, "emulated_step_time_s": 0.05},
+            "health_check_timeout_s": 2.0,
+            "retry": {"stall_timeout_s": 3.0, "first_reply_timeout_s": 3.0}}
+    serve.run(build_app(args), name=APP, route_prefix="/")
+    try:
+        yield SimpleNamespace(base=base, serve=serve)
+    finally:
+        stop_local_serve()
+
+
+@pytest.fixture
+def client(app):
+    with httpx.Client(base_url=app.base, timeout=CLIENT_TIMEOUT_S) as c:
+        yield c
+
+
+def wait_healthy(client: httpx.Client, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = client.get("/health")
+        if health.status_code == 200 and health.json()["ready_replicas"] == NUM_REPLICAS:
+            return
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.5)
+
+
+def replica_pids(app) -> dict[str, int]:
+    llm = app.serve.get_deployment_handle("LLMServer", APP)
+    return {r["replica"]: r["pid"] for r in llm.broadcast("ready").results(timeout_s=10)}
+
+
+def greedy_body(prompt: str, max_tokens: int = 60, **extra) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            **extra}
+
+
+async def stream_text(base: str, body: dict) -> tuple[str, dict | None, list[dict]]:
+    """(text, usage, error events) of one streamed completion."""
+    text, usage, errors = "", None, []
+    async with httpx.AsyncClient(base_url=base, timeout=CLIENT_TIMEOUT_S) as c:
+        async with c.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                             "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    errors.append(event)
+                elif event["choices"]:
+                    text += event["choices"][0]["text"]
+                elif event.get("usage"):
+                    usage = event["usage"]
+    return text, usage, errors
+
+
+def test_every_ray_listener_is_on_loopback(app):
+    """Regression (defect 6): `iterserve serve` left the GCS, raylet, workers and agents on every
+    interface; anyone on the network could run code through them."""
+    listeners = _listening_sockets()
+    ray_listeners = [(name, address) for pid, name, address in listeners if _is_ray_process(name)]
+    assert len(ray_listeners) >= 5, listeners  # gcs_server, raylet, workers, agents, the proxy
+    exposed = [(name, address) for name, address in ray_listeners
+               if not (address.startswith("127.") or address.startswith("::ffff:127.") or address == "::1")]
+    assert exposed == [], exposed
+
+
+def test_a_completions_request_with_several_prompts_completes(app, client):
+    """Regression (defect 1): two or more prompts in one request hung forever, and two such requests
+    per replica froze the whole service."""
+    for prompt in (["first prompt", "second prompt", "third"], [[5, 6, 7], [8, 9, 10, 11]]):
+        unary = client.post("/v1/completions", json=greedy_body(prompt, 6))
+        assert unary.status_code == 200, unary.text
+        assert [c["index"] for c in unary.json()["choices"]] == list(range(len(prompt)))
+        assert unary.json()["usage"]["completion_tokens"] == 6 * len(prompt)
+        streamed = client.post("/v1/completions", json=greedy_body(prompt, 6, stream=True))
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+        assert {json.loads(line[6:])["choices"][0]["index"] for line in streamed.text.splitlines()
+                if line.startswith("data: {")} == set(range(len(prompt)))
+
+    async def many():  # more multi-prompt requests at once than there are replicas, twice over
+        async with httpx.AsyncClient(base_url=app.base, timeout=CLIENT_TIMEOUT_S) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json=greedy_body(["a", "b", "c"], 4))
+                                          for _ in range(4 * NUM_REPLICAS)))
+
+    assert all(r.status_code == 200 for r in asyncio.run(many()))
+    direct = app.serve.get_app_handle(APP)
+    reply = direct.completions.remote(greedy_body(["over", "the handle"], 4)).result(timeout_s=CLIENT_TIMEOUT_S)
+    assert len(reply["choices"]) == 2
+    assert client.get("/health").status_code == 200
+
+
+def test_health_and_metrics_answer_from_the_replicas_that_reply(app, client):
+    """Regression (defect 5): one slow replica made /health and /metrics report zero ready replicas."""
+    wait_healthy(client)
+    victim = next(iter(replica_pids(app).values()))
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        time.sleep(1.5)  # past the ingress's 1 s health cache
+        started_s = time.monotonic()
+        health = client.get("/health")
+        assert time.monotonic() - started_s < 8
+        detail = health.json()
+        assert health.status_code == 503 and detail["ready_replicas"] == NUM_REPLICAS - 1, detail
+        assert detail["unresponsive_replicas"]["count"] == 1
+        metrics = client.get("/metrics")
+        assert metrics.status_code == 200
+        series = [line for line in metrics.text.splitlines() if line.startswith("iterserve_generation_tokens_total")]
+        assert len(series) == NUM_REPLICAS - 1
+    finally:
+        _resume(victim)
+    wait_healthy(client)
+
+
+def test_a_replica_whose_engine_stopped_fails_no_request(app, client):
+    """Regression (defect 3): a replica whose engine died kept getting traffic for ~21 s and 39% of
+    requests got 503; now its refusals are retried elsewhere and Serve replaces it in seconds."""
+    wait_healthy(client)
+    llm = app.serve.get_deployment_handle("LLMServer", APP)
+    llm.options(method_name="shutdown").remote().result(timeout_s=30)  # one replica's engine thread stops; its process lives
+    stopped_s = time.monotonic()
+
+    async def traffic():
+        async with httpx.AsyncClient(base_url=app.base, timeout=CLIENT_TIMEOUT_S) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json=greedy_body(f"after {i}", 4))
+                                          for i in range(24)))
+
+    statuses = [r.status_code for r in asyncio.run(traffic())]
+    assert statuses == [200] * 24, statuses
+    wait_healthy(client, timeout_s=60)
+    assert time.monotonic() - stopped_s < 60
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_streams_survive_their_replica_dying_or_freezing(app, client, fault):
+    """Regression (defect 4): SIGKILL of a replica gave each of its streams an error event, and
+    SIGSTOP hung them with no bytes and no error. Now every stream is resumed on the other replica
+    and the client's text is exactly the fault-free text (greedy), with usage counting each token
+    once."""
+    wait_healthy(client)
+    bodies = [greedy_body(f"Stream {i} keeps going while replicas fail,", 60) for i in range(8)]
+    reference = [client.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+    victim = next(iter(replica_pids(app).values()))
+
+    async def streams_with_fault():
+        tasks = [asyncio.ensure_future(stream_text(app.base, b)) for b in bodies]
+        await asyncio.sleep(1.2)  # every stream has tokens by now (steps are 50 ms)
+        os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        return await asyncio.gather(*tasks)
+
+    started_s = time.monotonic()
+    try:
+        results = asyncio.run(streams_with_fault())
+    finally:
+        if fault == "freeze":
+            _resume(victim)
+    for (text, usage, errors), expected in zip(results, reference):
+        assert errors == [] and text == expected
+        assert usage["completion_tokens"] == 60
+    assert time.monotonic() - started_s < CLIENT_TIMEOUT_S
+    wait_healthy(client)
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:  # Serve already replaced (killed) it
+        pass
+
+
+def _is_ray_process(name: str) -> bool:
+    return any(word in name for word in ("ray", "gcs_server", "raylet", "dashboard", "default_worker",
+                                         "runtime_env", "monitor.py", "log_monitor"))
+
+
+def _listening_sockets() -> list[tuple[int, str, str]]:
+    """(pid, command line, address) of every listening TCP socket, from /proc."""
+    inodes: dict[str, str] = {}
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # LISTEN
+                    inodes[fields[9]] = _address(fields[1], v6)
+    found = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                name = f.read().replace(b"\0", b" ").decode(errors="replace")
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    found.append((int(pid), name, inodes[link[8:-1]]))
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return found
+
+
+def _address(hex_address: str, v6: bool) -> str:
+    import ipaddress
+
+    host, port = hex_address.split(":")
+    raw = bytes.fromhex(host)
+    if v6:  # four little-endian 32-bit words
+        address = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+        text = f"::ffff:{address.ipv4_mapped}" if address.ipv4_mapped else address.compressed
+        return f"{text}:{int(port, 16)}"
+    return f"{ipaddress.IPv4Address(raw[::-1])}:{int(port, 16)}"
