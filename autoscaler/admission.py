@@ -73,6 +73,12 @@ class AdmissionPolicy:
     min_retry_after_s: float = 1.0
     # Beyond this the estimate is stale by the time the client comes back.
     max_retry_after_s: float = 30.0
+    # An admitted request still without a first token after this long is given up (503 with
+    # Retry-After) rather than left waiting with no answer: a client's own timeout is usually about
+    # a minute, and by then the capacity it waited for went to requests that came later anyway.
+    # Batch traffic, shed first, gets half of it.
+    queue_timeout_s: float = 60.0
+    batch_queue_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if (not isinstance(self.max_waiting_requests, int) or isinstance(self.max_waiting_requests, bool)
@@ -80,13 +86,17 @@ class AdmissionPolicy:
             raise ValueError(f"max_waiting_requests must be an integer >= 1, got {self.max_waiting_requests!r}")
         if not (math.isfinite(self.batch_max_wait_s) and self.batch_max_wait_s >= 0):
             raise ValueError(f"batch_max_wait_s must be finite and >= 0, got {self.batch_max_wait_s!r}")
-        for name in ("recent_window_s", "min_retry_after_s"):
+        for name in ("recent_window_s", "min_retry_after_s", "queue_timeout_s", "batch_queue_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {value!r}")
         if not (math.isfinite(self.max_retry_after_s) and self.max_retry_after_s >= self.min_retry_after_s):
             raise ValueError(f"max_retry_after_s must be finite and >= min_retry_after_s "
                              f"({self.min_retry_after_s!r}), got {self.max_retry_after_s!r}")
+
+
+    def queue_timeout_for(self, priority: str) -> float:
+        return self.batch_queue_timeout_s if priority == "batch" else self.queue_timeout_s
 
 
 @dataclass(slots=True, frozen=True)
@@ -192,6 +202,7 @@ class AdmissionController:
         self._num_waiting = dict.fromkeys(PRIORITIES, 0)
         self._num_admitted = dict.fromkeys(PRIORITIES, 0)
         self._num_shed = dict.fromkeys(PRIORITIES, 0)
+        self._num_timed_out = dict.fromkeys(PRIORITIES, 0)
 
     def admit(self, priority: str) -> tuple[Verdict, Ticket | None]:
         """Admit or refuse one request. An admitted one gets a Ticket the caller must close."""
@@ -226,7 +237,12 @@ class AdmissionController:
             stats[f"num_waiting_{p}"] = self._num_waiting[p]
             stats[f"num_admitted_{p}"] = self._num_admitted[p]
             stats[f"num_shed_{p}"] = self._num_shed[p]
+            stats[f"num_timed_out_{p}"] = self._num_timed_out[p]
         return stats
+
+    def timed_out(self, ticket: Ticket) -> None:
+        """The ticket's request waited past its queue timeout (counted; done() still ends it)."""
+        self._num_timed_out[ticket.priority] += 1
 
     def _refusal(self, priority: str, wait_s: float, oldest_s: float, recent_ttft_s: float) -> str | None:
         """The reason, with the numbers, if refused."""

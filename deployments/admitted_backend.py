@@ -9,11 +9,12 @@ a long answer would look like a long wait in the queue.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from autoscaler.admission import AdmissionController, AdmissionPolicy, Ticket
-from deployments.errors import overloaded
+from deployments.errors import APIError, overloaded
 from deployments.openai_service import Backend
 from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo
 
@@ -21,6 +22,7 @@ from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo
 class AdmittedBackend:
     def __init__(self, backend: Backend, policy: AdmissionPolicy, clock: Callable[[], float]) -> None:
         self.backend = backend
+        self.clock = clock
         self.admission = AdmissionController(policy, clock)
 
     async def model_info(self) -> ModelInfo:
@@ -33,12 +35,33 @@ class AdmittedBackend:
         return whole
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
+        """The backend's chunks; a request without a first token after the policy's queue timeout
+        is abandoned (its replica aborts it) with a 503 and Retry-After."""
         ticket = self._admit(request)
+        timeout_s = self.admission.policy.queue_timeout_for(request.priority)
+        deadline_s = ticket.admitted_s + timeout_s
+        stream = self.backend.generate_stream(request).__aiter__()
         with ticket:
-            async for chunk in self.backend.generate_stream(request):
-                if chunk.token_ids:
-                    ticket.first_token()
-                yield chunk
+            try:
+                while True:
+                    try:
+                        if ticket.waiting:
+                            chunk = await asyncio.wait_for(stream.__anext__(), max(deadline_s - self.clock(), 0.0))
+                        else:
+                            chunk = await stream.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    except (asyncio.TimeoutError, TimeoutError):
+                        self.admission.timed_out(ticket)
+                        retry_s = max(self.admission.predicted_wait_s(), self.admission.policy.min_retry_after_s)
+                        raise APIError(f"no first token within {timeout_s:g} s: the service is overloaded; "
+                                       "retry later", 503, "service_unavailable", None, "queue_timeout",
+                                       min(retry_s, self.admission.policy.max_retry_after_s)) from None
+                    if chunk.token_ids:
+                        ticket.first_token()
+                    yield chunk
+            finally:
+                await stream.aclose()
 
     def _admit(self, request: GenerateRequest) -> Ticket:
         verdict, ticket = self.admission.admit(request.priority)

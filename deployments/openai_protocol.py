@@ -9,6 +9,7 @@ Unknown fields are ignored, as OpenAI and vLLM do.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,6 +21,9 @@ from model_worker.sampling_params import SamplingParams, SamplingParamsError
 
 # A completions request may batch prompts; more than this in one body is refused.
 MAX_PROMPTS_PER_REQUEST = 256
+# JSON may carry "\ud800" escapes, which decode to lone surrogates: not Unicode text, and no
+# tokenizer can encode them (they failed with a 500).
+_SURROGATE = re.compile("[\ud800-\udfff]")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Accepted only at these values: (parameter, predicate that says "this is the default").
@@ -136,6 +140,10 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     stop = body.get("stop")
     if stop is not None:
         sampling["stop"] = [stop] if isinstance(stop, str) else stop
+        if isinstance(sampling["stop"], list):
+            for s in sampling["stop"]:
+                if isinstance(s, str):
+                    _text(s, "stop")
     if body.get("stop_token_ids") is not None:
         sampling["stop_token_ids"] = body["stop_token_ids"]
     try:  # check now, with a placeholder max_tokens, so a bad value fails before any tokenizing
@@ -175,6 +183,9 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
         raise invalid("prompt", f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request; got {len(prompts)}")
     if any(p == "" for p in prompts):
         raise invalid("prompt", "prompt must not be empty", "empty_prompt")
+    for p in prompts:
+        if isinstance(p, str):
+            _text(p, "prompt")
     return prompts
 
 
@@ -189,10 +200,10 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise invalid(f"{param}.role", f"{param}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
-        content = _content(message.get("content"), role, f"{param}.content")
+        content = _text(_content(message.get("content"), role, f"{param}.content"), f"{param}.content")
         entry: dict[str, Any] = {"role": role, "content": content}
         if isinstance(message.get("name"), str):
-            entry["name"] = message["name"]
+            entry["name"] = _text(message["name"], f"{param}.name")
         normalized.append(entry)
     return normalized
 
@@ -275,6 +286,15 @@ def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     return body
+
+
+def _text(value: str, param: str) -> str:
+    """The string, if it is Unicode text (no lone surrogate)."""
+    match = _SURROGATE.search(value)
+    if match is not None:
+        raise invalid(param, f"{param} is not valid Unicode text: a lone surrogate U+{ord(match.group()):04X} at "
+                             f"character {match.start()}", "invalid_text")
+    return value
 
 
 def _optional_int(body: dict[str, Any], name: str) -> int | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from deployments import openai_protocol as oai
@@ -36,6 +37,13 @@ class Backend(Protocol):
     async def replica_states(self) -> dict[str, int]: ...
 
 
+# Prompts of up to this many characters in all are tokenized on the event loop (about a
+# millisecond); longer ones in the tokenizer thread, so that no other request waits on them.
+INLINE_TOKENIZE_CHARS = 4096
+# Characters per token assumed when the tokenizer cannot list its vocabulary.
+DEFAULT_MAX_CHARS_PER_TOKEN = 64
+
+
 class OpenAIService:
     def __init__(self, backend: Backend, tokenizer: Any, info: ModelInfo, ingress_id: str = "ingress") -> None:
         self.backend = backend
@@ -44,6 +52,12 @@ class OpenAIService:
         self.ingress_id = ingress_id
         # (endpoint, status code) -> responses sent by this ingress replica.
         self.http_responses: dict[tuple[str, int], int] = {}
+        # No token covers more characters than the vocabulary's longest entry, so a prompt longer
+        # than max_model_len of them cannot fit the context: it is refused before tokenizing (a
+        # 10 MB prompt took 14 s to tokenize and then was refused anyway).
+        self.max_prompt_chars = info.max_model_len * _max_chars_per_token(tokenizer)
+        # One thread: a fast tokenizer is not safe to call from two threads at once.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="iterserve-tokenize")
 
     # ---- the API ------------------------------------------------------------------------------
 
@@ -51,7 +65,7 @@ class OpenAIService:
         """A response dict, or for `stream: true` an iterator of chunk dicts (already admitted)."""
         parse = oai.parse_chat if kind == "chat" else oai.parse_completion
         parsed = parse(body, self.info.served_model_name)
-        requests = self._generate_requests(parsed)
+        requests = await self._tokenize(parsed)
         if parsed.stream:
             streams = await _open_all(self.backend, requests)
             return EventStream(self._stream_events(parsed, streams), [s for _, s in streams])
@@ -88,6 +102,9 @@ class OpenAIService:
             exposition.add("iterserve_ingress_requests_shed_total", "counter",
                            "Requests this ingress refused with 429 before sending them.", by_priority,
                            snapshot[f"num_shed_{priority}"])
+            exposition.add("iterserve_ingress_queue_timeouts_total", "counter",
+                           "Admitted requests given up with 503 for want of a first token in time.", by_priority,
+                           snapshot[f"num_timed_out_{priority}"])
         exposition.add("iterserve_ingress_predicted_wait_seconds", "gauge",
                        "Wait for a first token this ingress predicts for a new request.", labels,
                        snapshot["predicted_wait_s"])
@@ -97,6 +114,31 @@ class OpenAIService:
         self.http_responses[key] = self.http_responses.get(key, 0) + 1
 
     # ---- requests -----------------------------------------------------------------------------
+
+    async def _tokenize(self, parsed: oai.ParsedRequest) -> list[GenerateRequest]:
+        """The requests' token ids, off the event loop unless the text is short."""
+        num_chars = self._check_sizes(parsed)
+        if num_chars <= INLINE_TOKENIZE_CHARS:
+            return self._generate_requests(parsed)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self._generate_requests, parsed)
+
+    def _check_sizes(self, parsed: oai.ParsedRequest) -> int:
+        """Characters of text to tokenize; a prompt that cannot fit the context is refused here."""
+        limit = self.max_prompt_chars
+        if parsed.kind == "chat":
+            num_chars = sum(len(m["content"]) + len(m.get("name", "")) for m in parsed.messages)
+            sizes = [num_chars]
+        else:
+            sizes = [len(p) for p in parsed.prompts if isinstance(p, str)]
+            num_chars = sum(sizes)
+        too_long = next((n for n in sizes if n > limit), None)
+        if too_long is not None:
+            raise invalid("messages" if parsed.kind == "chat" else "prompt",
+                          f"this model's maximum context length is {self.info.max_model_len} tokens, and a text of "
+                          f"{too_long} characters is longer than that many tokens of this tokenizer can be "
+                          f"(at most {limit} characters)", "context_length_exceeded")
+        return num_chars
 
     def _generate_requests(self, parsed: oai.ParsedRequest) -> list[GenerateRequest]:
         """Token ids, max_tokens and block hashes for every prompt; raises before any is sent."""
@@ -180,6 +222,19 @@ class OpenAIService:
                     yield oai.stream_chunk(parsed, index, chunk.text, chunk.finish_reason, chunk.stop_reason)
         if parsed.include_usage:
             yield oai.usage_chunk(parsed, oai.usage(sum(prompt_tokens), sum(output_tokens), sum(cached_tokens)))
+
+
+def _max_chars_per_token(tokenizer: Any) -> int:
+    """The longest vocabulary entry in characters (byte-level BPE writes one character per byte, so
+    this bounds the text one token decodes to)."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    try:
+        vocab = get_vocab() if get_vocab is not None else None
+    except Exception:  # a tokenizer that cannot list its vocabulary
+        vocab = None
+    if not vocab:
+        return DEFAULT_MAX_CHARS_PER_TOKEN
+    return max(1, max(len(token) for token in vocab))
 
 
 class EventStream:
