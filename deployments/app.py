@@ -69,7 +69,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         health_check_timeout_s=app_args.health_check_timeout_s,
     )
     return ingress.bind(server, app_args.model, app_args.engine_args.get("tokenizer"), app_args.api_key,
-                        app_args.ingress_admission, app_args.retry)
+                        app_args.ingress_admission, app_args.retry, app_args.request_body_timeout_s)
 
 
 class LLMServerDeployment(LLMServer):
@@ -87,13 +87,13 @@ class LLMServerDeployment(LLMServer):
 class OpenAIIngress(OpenAIFrontend):
     def __init__(self, llm_server: DeploymentHandle, model: str | None, tokenizer: str | None,
                  api_key: str | None, admission: dict[str, Any] | None = None,
-                 retry: dict[str, Any] | None = None) -> None:
+                 retry: dict[str, Any] | None = None, body_timeout_s: float = 30.0) -> None:
         context = serve.get_replica_context()
         source = tokenizer or model
         replicas = HandleBackend(llm_server, context.app_name, LLM_SERVER, RetryPolicy(**(retry or {})))
         backend = AdmittedBackend(replicas, AdmissionPolicy(**(admission or {})), time.monotonic)
         super().__init__(backend, lambda: _load_tokenizer(source), api_key=api_key,
-                         ingress_id=context.replica_id.unique_id)
+                         ingress_id=context.replica_id.unique_id, body_timeout_s=body_timeout_s)
         self.load_tokenizer_now()
 
     def __serve_build_asgi_app__(self) -> Any:

@@ -64,6 +64,8 @@ class AppArgs:
     # stall_timeout_s, backoff_s. How the ingress fails a request over to another replica when
     # its replica dies, freezes or refuses, resuming a stream where the client's stands.
     retry: dict[str, Any] = field(default_factory=dict)
+    # A request body must arrive whole within this long, or the request gets 408.
+    request_body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.autoscaling is not None and self.num_replicas is not None:
@@ -76,7 +78,8 @@ class AppArgs:
         if not isinstance(self.max_queued_requests, int) or not (self.max_queued_requests == -1
                                                                  or self.max_queued_requests >= 1):
             raise ValueError(f"max_queued_requests must be -1 or >= 1, got {self.max_queued_requests!r}")
-        for name in ("routing_stats_period_s", "drain_timeout_s", "health_check_period_s", "health_check_timeout_s"):
+        for name in ("routing_stats_period_s", "drain_timeout_s", "health_check_period_s", "health_check_timeout_s",
+                     "request_body_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
                 raise ValueError(f"{name} must be > 0, got {value!r}")

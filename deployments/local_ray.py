@@ -25,8 +25,12 @@ SETUP_HOOK = "deployments.local_ray.bind_replica_grpc_to_loopback"
 
 
 def init_local_ray(**init_kwargs: Any) -> None:
-    """ray.init() of a new local Ray whose every listener is on 127.0.0.1."""
+    """ray.init() of a new local Ray whose every listener is on 127.0.0.1, and whose Serve proxy
+    bounds idle and slow connections (deployments/http_guard.py)."""
+    from deployments import http_guard
+
     os.environ.update(LOOPBACK_ENV)
+    os.environ.setdefault(http_guard.CALLBACK_ENV, http_guard.IMPORT_PATH)
     import ray
     from ray._private import ray_constants
 

@@ -27,6 +27,7 @@ MODEL = "iterserve-faults"
 NUM_REPLICAS = 2
 # A client never waits longer than this for any response in this module: a hang fails the test.
 CLIENT_TIMEOUT_S = 60
+HEADER_TIMEOUT_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +37,19 @@ def app(default_model_dir):
 
     from deployments.app import build_app
 
-    base = start_local_serve(num_cpus=2)
+    # The proxy reads its connection limits from its environment when it starts.
+    saved = os.environ.get("ITERSERVE_HTTP_HEADER_TIMEOUT_S")
+    os.environ["ITERSERVE_HTTP_HEADER_TIMEOUT_S"] = str(HEADER_TIMEOUT_S)
+    try:
+        base = start_local_serve(num_cpus=2)
+    finally:
+        if saved is None:
+            os.environ.pop("ITERSERVE_HTTP_HEADER_TIMEOUT_S")
+        else:
+            os.environ["ITERSERVE_HTTP_HEADER_TIMEOUT_S"] = saved
     args = {"model": default_model_dir, "served_model_name": MODEL, "num_replicas": NUM_REPLICAS,
             "engine_args": {"num_threads": 1, "max_num_seqs": 32, "emulated_step_time_s": 0.05},
-            "health_check_timeout_s": 2.0,
+            "health_check_timeout_s": 2.0, "request_body_timeout_s": 2.0,
             "retry": {"stall_timeout_s": 3.0, "first_reply_timeout_s": 3.0}}
     serve.run(build_app(args), name=APP, route_prefix="/")
     try:
@@ -128,6 +138,56 @@ def test_a_completions_request_with_several_prompts_completes(app, client):
     reply = direct.completions.remote(greedy_body(["over", "the handle"], 4)).result(timeout_s=CLIENT_TIMEOUT_S)
     assert len(reply["choices"]) == 2
     assert client.get("/health").status_code == 200
+
+
+def test_idle_and_slow_connections_are_closed_and_others_served(app, client):
+    """Regression (defect 8): 1,300 idle or slowly-sending connections were held indefinitely."""
+    import socket
+
+    host, port = app.base.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(200)]
+    slow = [socket.create_connection((host, int(port)), timeout=10) for _ in range(10)]
+    body = socket.create_connection((host, int(port)), timeout=10)
+    body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    try:
+        started_s = time.monotonic()
+        for s in slow:
+            s.sendall(b"GET /health HTTP/1.1\r\n")
+        while time.monotonic() - started_s < HEADER_TIMEOUT_S + 1:
+            for s in slow:  # a header byte every half second: never a whole request
+                try:
+                    s.sendall(b"X")
+                except OSError:  # closed by the proxy already: what the test wants
+                    pass
+            assert client.get("/health").status_code == 200  # others are served meanwhile
+            time.sleep(0.5)
+        for s in idle + slow:
+            reply = _read_until_closed(s, deadline_s=started_s + HEADER_TIMEOUT_S + 6)
+            assert reply == b"" or reply.startswith(b"HTTP/1.1 408"), reply[:80]
+        reply = _read_until_closed(body, deadline_s=started_s + 10)  # the ingress's body deadline
+        assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply, reply[:300]
+    finally:
+        for s in idle + slow + [body]:
+            s.close()
+
+
+def _read_until_closed(sock, deadline_s: float) -> bytes:
+    """Everything the server sends until it closes the connection; fails at the deadline."""
+    data = b""
+    while True:
+        sock.settimeout(max(0.1, deadline_s - time.monotonic()))
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return data
+        except TimeoutError:
+            raise AssertionError(f"the connection was still open at the deadline (got {data[:80]!r})") from None
+        if not chunk:
+            return data
+        data += chunk
+        if b"408" in data and time.monotonic() > deadline_s:
+            return data
 
 
 def test_health_and_metrics_answer_from_the_replicas_that_reply(app, client):
