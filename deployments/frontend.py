@@ -110,7 +110,7 @@ class OpenAIFrontend:
 
     # ---- HTTP ---------------------------------------------------------------------------------
 
-    def asgi_app(self) -> Starlette:
+    def asgi_app(self) -> "DisconnectSafe":
         routes = [
             Route("/v1/completions", self._http_completions, methods=["POST"]),
             Route("/v1/chat/completions", self._http_chat, methods=["POST"]),
@@ -118,7 +118,7 @@ class OpenAIFrontend:
             Route("/health", self._http_health, methods=["GET"]),
             Route("/metrics", self._http_metrics, methods=["GET"]),
         ]
-        return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
+        return DisconnectSafe(Starlette(routes=routes, exception_handlers={HTTPException: _http_exception}))
 
     async def _http_completions(self, request: Request) -> Response:
         return await self._http_generate(request, "completion", "/v1/completions")
@@ -179,6 +179,33 @@ class OpenAIFrontend:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
             raise APIError("invalid or missing API key: send Authorization: Bearer <key>", 401,
                            "authentication_error", None, "invalid_api_key")
+
+
+class DisconnectSafe:
+    """An ASGI app whose `receive` never raises: a failed receive is the client's disconnect.
+
+    Ray Serve's ASGI bridge raises TaskCancelledError from receive() when the proxy cancels a
+    request whose client hung up. Starlette's StreamingResponse listens for the disconnect through
+    receive(), so the error escaped the app and Serve logged a traceback ("Task exception was
+    never retrieved") for each hang-up. As a disconnect message it ends the response normally,
+    and closing the stream cancels the request on its replica as before."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
+                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def receive_or_disconnect() -> dict[str, Any]:
+            try:
+                return await receive()
+            except Exception:  # the bridge to a client that is gone
+                return {"type": "http.disconnect"}
+
+        await self.app(scope, receive_or_disconnect, send)
 
 
 def error_response(exc: APIError) -> JSONResponse:
