@@ -97,7 +97,7 @@ def short_beside_long(base: str, pool: np.ndarray, repeats: int, seed: int) -> d
 
 def sweep(base: str, args: argparse.Namespace, pool: np.ndarray) -> list[dict[str, Any]]:
     """Alternate modes at each rate; a mode stops once its p99 TTFT passed the SLO."""
-    rows = load_azure_trace(default_trace_path(REPO_ROOT))
+    rows = load_azure_trace(default_trace_path())
     slo = SLO(ttft_s=args.slo_ttft)
     runs: list[dict[str, Any]] = []
     active = list(MODES)

@@ -25,7 +25,6 @@ from loadtest.client import ClientConfig, run_load
 from loadtest.results import SLO, summarize
 from loadtest.traces import BenchRequest, LengthScaler, default_trace_path, load_azure_trace, normal_token_ids
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ("synthetic", "trace", "shared-prefix", "multi-turn")
 
 
@@ -44,7 +43,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cv", type=float, default=2.0, help="gamma arrivals: coefficient of variation (burstiness)")
     p.add_argument("--prompt-len", default="lognormal:128:8:512", help="KIND:MEAN[:LOW:HIGH[:SIGMA]]")
     p.add_argument("--output-len", default="lognormal:64:4:256", help="KIND:MEAN[:LOW:HIGH[:SIGMA]]")
-    p.add_argument("--trace", type=Path, default=None, help="Azure trace CSV (default ../shared/traces/..._conv.csv)")
+    p.add_argument("--trace", type=Path, default=None, help="Azure trace CSV (default: the conversation trace shipped with iterserve)")
     p.add_argument("--prompt-divisor", type=float, default=4.0, help="trace: prompt tokens divided by this")
     p.add_argument("--output-divisor", type=float, default=2.0, help="trace: output tokens divided by this")
     p.add_argument("--prefixes", type=int, default=4, help="shared-prefix: system prompts")
@@ -102,7 +101,7 @@ def measure(workload: list[BenchRequest], config: ClientConfig, label: str, seri
 def build_workload(args: argparse.Namespace, pool: np.ndarray, rate: float | None) -> list[BenchRequest]:
     n, seed = args.num_requests, args.seed
     if args.workload == "trace":
-        rows = load_azure_trace(args.trace or default_trace_path(REPO_ROOT))
+        rows = load_azure_trace(args.trace or default_trace_path())
         scaler = LengthScaler(prompt_divisor=args.prompt_divisor, output_divisor=args.output_divisor)
         speedup = 1.0 if rate is None else rate / wl.trace_rate(rows, n)
         workload = wl.trace_replay(rows, n, pool, seed, speedup=speedup, scaler=scaler)

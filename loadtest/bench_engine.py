@@ -42,7 +42,6 @@ from loadtest.traces import (
 )
 from model_worker import EngineConfig, LLMEngine, SamplingParams, default_model_path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("continuous", "static", "hf_generate", "hf_continuous")
 # Untimed requests each system serves first, so lazy initialisation (kernels, allocator pools,
 # the HF manager's thread) is not billed to the first measured requests.
@@ -53,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="40 requests (under 2 minutes in all)")
     p.add_argument("--num-requests", type=int, default=None, help="default 200, or 40 with --quick")
-    p.add_argument("--trace", type=Path, default=None, help="Azure trace CSV (default ../shared/traces/...)")
+    p.add_argument("--trace", type=Path, default=None, help="Azure trace CSV (default: the conversation trace shipped with iterserve)")
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded tiny Llama)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--poisson-rate", type=float, default=None,
@@ -100,7 +99,7 @@ def build_workloads(args: argparse.Namespace, vocab_size: int, special_ids: list
                     ) -> dict[str, list[BenchRequest]]:
     """One workload per arrival pattern. Both take the same sampled lengths, but each gets its own
     prompts, so our prefix cache cannot serve the second pattern from the first."""
-    trace_path = args.trace or default_trace_path(REPO_ROOT)
+    trace_path = args.trace or default_trace_path()
     rows = load_azure_trace(trace_path)
     scaler = LengthScaler(args.prompt_divisor, args.prompt_min, args.prompt_max,
                           args.output_divisor, args.output_min, args.output_max)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass
 from datetime import datetime
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
-# The conversation trace shipped with the repo's shared data, relative to the repo root.
-DEFAULT_TRACE_RELPATH = Path("..") / "shared" / "traces" / "azure_llm_2023_conv.csv"
+# The conversation trace, shipped as package data (loadtest/data/README.md: source, CC BY 4.0).
+DEFAULT_TRACE = "azure_llm_2023_conv.csv"
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,8 +77,9 @@ def _clamp(value: int, low: int, high: int) -> int:
     return max(low, min(high, value))
 
 
-def default_trace_path(repo_root: Path) -> Path:
-    return (repo_root / DEFAULT_TRACE_RELPATH).resolve()
+def default_trace_path() -> Path:
+    """The Azure conversation trace installed with the package."""
+    return Path(str(resources.files("loadtest") / "data" / DEFAULT_TRACE))
 
 
 def _parse_timestamp(text: str) -> datetime:
@@ -87,13 +89,20 @@ def _parse_timestamp(text: str) -> datetime:
 
 
 def load_azure_trace(path: str | Path) -> list[TraceRow]:
-    """Rows of an Azure LLM trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens), in file order."""
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
-        if missing:
-            raise ValueError(f"{path}: missing columns {sorted(missing)}")
-        raw = [(_parse_timestamp(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in reader]
+    """Rows of an Azure LLM trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens), in file order.
+    A file that cannot be read or parsed is a ValueError naming it."""
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
+            if missing:
+                raise ValueError(f"{path}: missing columns {sorted(missing)}")
+            raw = [(_parse_timestamp(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"]))
+                   for r in reader]
+    except OSError as exc:
+        raise ValueError(f"cannot read the trace {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ValueError(f"{path} is not an Azure trace CSV: {exc}") from None
     if not raw:
         raise ValueError(f"{path}: no rows")
     start = raw[0][0]

@@ -132,15 +132,20 @@ def test_workload_is_reproducible_and_sorted_by_arrival():
     assert build_workload(lengths, arrivals, pool, seed=5)[0].prompt_token_ids != a[0].prompt_token_ids
 
 
-def test_default_trace_path_is_next_to_the_repo(tmp_path):
-    repo = tmp_path / "main"
-    assert default_trace_path(repo) == (tmp_path / "shared" / "traces" / "azure_llm_2023_conv.csv").resolve()
-
-
-def test_real_trace_loads_if_present():
-    path = default_trace_path(Path(__file__).resolve().parents[2])
-    if not path.exists():
-        pytest.skip("shared trace not present")
+def test_the_trace_ships_with_the_package():
+    """Regression (defect 10): `iterserve bench --workload trace` read the trace from a folder next
+    to the repository, and died with a raw traceback without it."""
+    path = default_trace_path()
+    assert "loadtest" in path.parts and path.name == "azure_llm_2023_conv.csv"
     rows = load_azure_trace(path)
-    assert len(rows) > 1000
+    assert len(rows) == 19366
     assert all(b.arrival_s >= a.arrival_s for a, b in zip(rows, rows[1:]))
+    assert "CC BY 4.0" in (path.parent / "README.md").read_text()
+
+
+def test_a_missing_or_bad_trace_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="cannot read the trace"):
+        load_azure_trace(tmp_path / "nope.csv")
+    (tmp_path / "bad.csv").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ValueError, match="bad.csv"):
+        load_azure_trace(tmp_path / "bad.csv")
