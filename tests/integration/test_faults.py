@@ -190,6 +190,31 @@ def _read_until_closed(sock, deadline_s: float) -> bytes:
             return data
 
 
+def test_hostile_requests_get_a_4xx_and_harm_nobody(app, client):
+    """Regression (defects 2, 7, 9) over real HTTP: values that killed the engine, a 10 MB prompt,
+    lone surrogates and huge stop lists, sent beside ordinary requests."""
+    poison = [{"prompt": "x", "max_tokens": 8, "top_p": 1e-300, "temperature": 0.7},
+              {"prompt": "x", "max_tokens": 8, "temperature": 1e-300, "top_p": 0.5}]
+
+    async def mixed():
+        async with httpx.AsyncClient(base_url=app.base, timeout=CLIENT_TIMEOUT_S) as c:
+            bodies = [greedy_body(f"bystander {i}", 8) for i in range(6)] + poison * 3
+            return await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
+
+    assert [r.status_code for r in asyncio.run(mixed())] == [200] * 12
+    refused = [
+        (client.post("/v1/completions", json={"prompt": "y" * (10 * 2**20), "max_tokens": 1}),
+         "context_length_exceeded"),
+        (client.post("/v1/completions", content=b'{"prompt": "a\\ud800b"}',
+                     headers={"content-type": "application/json"}), "invalid_text"),
+        (client.post("/v1/completions", json={"prompt": "x", "stop": ["s"] * 100_000}), None),
+    ]
+    for response, code in refused:
+        assert response.status_code == 400, response.text[:300]
+        assert code is None or response.json()["error"]["code"] == code
+    assert client.get("/health").status_code == 200
+
+
 def test_health_and_metrics_answer_from_the_replicas_that_reply(app, client):
     """Regression (defect 5): one slow replica made /health and /metrics report zero ready replicas."""
     wait_healthy(client)
