@@ -69,6 +69,10 @@ class AdmittedBackend:
             raise overloaded(f"the service is overloaded: {verdict.reason}; retry later", verdict.retry_after_s or 1.0)
         return ticket
 
+    def failover_counters(self) -> dict[str, int]:
+        counters = getattr(self.backend, "failover_counters", None)
+        return counters() if counters is not None else {}
+
     async def health(self) -> tuple[bool, dict[str, Any]]:
         return await self.backend.health()
 

@@ -81,6 +81,10 @@ class HandleBackend:
     async def model_info(self) -> ModelInfo:
         return await _call(lambda: self.handle.model_info.remote())
 
+    def failover_counters(self) -> dict[str, int]:
+        """For /metrics: attempts that failed over, and requests resumed mid-stream elsewhere."""
+        return {"failed_attempts": self.num_failed_attempts, "migrated": self.num_migrated}
+
     # ---- generation ---------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> GenerationChunk:

@@ -86,6 +86,18 @@ class OpenAIService:
         admission = getattr(self.backend, "admission", None)
         if admission is not None:
             self._add_admission(exposition, admission.snapshot())
+        failover = getattr(self.backend, "failover_counters", None)
+        if failover is not None:
+            counters = failover()
+            labels = {"model_name": self.info.served_model_name, "ingress": self.ingress_id}
+            if "failed_attempts" in counters:
+                exposition.add("iterserve_ingress_failed_attempts_total", "counter",
+                               "Attempts whose replica died, froze or refused; each was retried elsewhere or failed.",
+                               labels, counters["failed_attempts"])
+            if "migrated" in counters:
+                exposition.add("iterserve_ingress_requests_migrated_total", "counter",
+                               "Requests resumed on another replica after some tokens were sent.", labels,
+                               counters["migrated"])
         for (endpoint, status), count in sorted(self.http_responses.items()):
             exposition.add("iterserve_http_responses_total", "counter", "HTTP responses by endpoint and status.",
                            {"ingress": self.ingress_id, "endpoint": endpoint, "status": str(status)}, count)
