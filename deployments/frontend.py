@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from deployments.errors import APIError, internal, invalid, not_ready
+from deployments.openapi import openapi_spec
 from deployments.openai_service import Backend, OpenAIService
 
 # A request body larger than this is refused (413) before it is read whole: 256k tokens of text
@@ -117,6 +118,7 @@ class OpenAIFrontend:
             Route("/v1/models", self._http_models, methods=["GET"]),
             Route("/health", self._http_health, methods=["GET"]),
             Route("/metrics", self._http_metrics, methods=["GET"]),
+            Route("/openapi.json", self._http_openapi, methods=["GET"]),
         ]
         return DisconnectSafe(Starlette(routes=routes, exception_handlers={HTTPException: _http_exception}))
 
@@ -146,6 +148,13 @@ class OpenAIFrontend:
             text = await (await self.service()).metrics_text()
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
         return await self._guarded(request, "/metrics", respond)
+
+    async def _http_openapi(self, request: Request) -> Response:
+        """The API's OpenAPI description (no auth: it is the same for everyone)."""
+        info = self._service.info if self._service is not None else None
+        if info is None:
+            return JSONResponse(openapi_spec())
+        return JSONResponse(openapi_spec(info.served_model_name, info.vocab_size, info.max_model_len))
 
     async def _http_health(self, request: Request) -> Response:
         """200 only when every replica has its model loaded (no auth: load balancers probe it)."""
@@ -218,8 +227,11 @@ def error_response(exc: APIError) -> JSONResponse:
 async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else "http_error"
-    message = f"{request.method} {request.url.path}: {exc.detail}"
-    return error_response(APIError(message, exc.status_code, "invalid_request_error", None, kind))
+    message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
+    response = error_response(APIError(message, exc.status_code, "invalid_request_error", None, kind))
+    for name, value in (exc.headers or {}).items():  # Allow, on a 405 (RFC 9110 requires it)
+        response.headers[name] = value
+    return response
 
 
 async def _json_body(request: Request, timeout_s: float) -> Any:

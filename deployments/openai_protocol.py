@@ -110,7 +110,7 @@ def _common(body: dict[str, Any], kind: str, served_model: str, id_prefix: str) 
     for name, is_default in _UNSUPPORTED_UNLESS_DEFAULT:
         if name in body and not _safe(is_default, body[name]):
             raise invalid(name, f"{name} is not supported by this server; omit it or send its default")
-    n = body.get("n")
+    n = _integral(body.get("n"))
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
         raise invalid("n", f"n must be 1 (one choice per prompt); got {n!r}")
     stream = body.get("stream", False)
@@ -136,7 +136,7 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     sampling: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "seed", "ignore_eos"):
         if body.get(name) is not None:
-            sampling[name] = body[name]
+            sampling[name] = _integral(body[name]) if name in ("top_k", "seed") else body[name]
     stop = body.get("stop")
     if stop is not None:
         sampling["stop"] = [stop] if isinstance(stop, str) else stop
@@ -145,7 +145,8 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
                 if isinstance(s, str):
                     _text(s, "stop")
     if body.get("stop_token_ids") is not None:
-        sampling["stop_token_ids"] = body["stop_token_ids"]
+        ids = body["stop_token_ids"]
+        sampling["stop_token_ids"] = [_integral(t) for t in ids] if isinstance(ids, list) else ids
     try:  # check now, with a placeholder max_tokens, so a bad value fails before any tokenizing
         SamplingParams(max_tokens=1, **sampling)
     except SamplingParamsError as exc:
@@ -167,6 +168,8 @@ def _stream_options(options: Any, stream: bool) -> bool:
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, list):  # token ids may come as integral floats (5.0), as JSON allows
+        prompt = [[_integral(t) for t in p] if isinstance(p, list) else _integral(p) for p in prompt]
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
     elif isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
@@ -298,12 +301,26 @@ def _text(value: str, param: str) -> str:
 
 
 def _optional_int(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
+    value = _integral(body.get(name))
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise invalid(name, f"{name} must be an integer >= 1; got {value!r}")
+        raise invalid(name, f"{name} must be an integer >= 1; got {_short_repr(value)}")
     return value
+
+
+def _integral(value: Any) -> Any:
+    """An integral float (16.0) as the int it is: JSON has one number type, and JSON Schema, OpenAI
+    and vLLM (pydantic) take 16.0 where an integer is due. Anything else is returned unchanged, for
+    the caller's check to refuse."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2.0**64:
+        return int(value)
+    return value
+
+
+def _short_repr(value: Any, limit: int = 100) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _is_token_id(value: Any) -> bool:

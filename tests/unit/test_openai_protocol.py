@@ -125,7 +125,7 @@ COMMON_ERRORS = [  # (fields, status, param, code), refused by both endpoints
     ({"model": ""}, 404, "model", "model_not_found"),
     ({"model": 5}, 400, "model", None),
     ({"n": 2}, 400, "n", None), ({"n": "1"}, 400, "n", None), ({"n": True}, 400, "n", None),
-    ({"n": 0}, 400, "n", None), ({"n": 1.0}, 400, "n", None),
+    ({"n": 0}, 400, "n", None), ({"n": 1.5}, 400, "n", None),
     ({"stream": "yes"}, 400, "stream", None), ({"stream": 1}, 400, "stream", None),
     ({"stream_options": {"include_usage": True}}, 400, "stream_options", None),
     ({"stream": False, "stream_options": {}}, 400, "stream_options", None),
@@ -156,7 +156,7 @@ COMPLETION_ERRORS = [  # (body, param, code)
     ({"prompt": ""}, "prompt", "empty_prompt"), ({"prompt": ["a", ""]}, "prompt", "empty_prompt"),
     ({"prompt": ["a", [1]]}, "prompt", None), ({"prompt": [1, "a"]}, "prompt", None),
     ({"prompt": [1, True]}, "prompt", None), ({"prompt": [[1], [False]]}, "prompt", None),
-    ({"prompt": [1, 2.0]}, "prompt", None),
+    ({"prompt": [1, 2.5]}, "prompt", None),
     ({"prompt": ["a"] * (oai.MAX_PROMPTS_PER_REQUEST + 1)}, "prompt", None),
     ({"prompt": [[1]] * (oai.MAX_PROMPTS_PER_REQUEST + 1)}, "prompt", None),
 ]
@@ -291,3 +291,15 @@ def test_completion_stream_chunks(include_usage):
         {"index": 1, "text": "", "logprobs": None, "finish_reason": "stop", "stop_reason": "END"}]}
     usage = oai.usage(4, 2, 1)
     assert oai.usage_chunk(parsed, usage) == {**envelope, "choices": [], "usage": usage}
+
+
+def test_integral_floats_count_as_integers():
+    """JSON has one number type: JSON Schema, OpenAI and vLLM (pydantic) take 16.0 for 16."""
+    parsed = oai.parse_completion({"prompt": [5.0, 6], "max_tokens": 3.0, "n": 1.0, "top_k": 4.0, "seed": 7.0,
+                                   "stop_token_ids": [9.0]}, "m")
+    assert parsed.prompts == [[5, 6]] and parsed.max_tokens == 3
+    assert all(type(t) is int for t in parsed.prompts[0])
+    params = parsed.sampling_params(3)
+    assert (params.top_k, params.seed, params.stop_token_ids) == (4, 7, [9])
+    with pytest.raises(APIError):
+        oai.parse_completion({"prompt": "x", "max_tokens": 1e300}, "m")
