@@ -86,6 +86,7 @@ def cut_unary(base: str, rng: random.Random, index: int) -> str:
 
 
 async def storm(base: str, args: argparse.Namespace) -> Counter:
+    """Run args.streams cut-off requests (args.concurrency at a time); how many were cut where."""
     rng = random.Random(args.seed)
     limit = asyncio.Semaphore(args.concurrency)
     where: Counter = Counter()
@@ -103,17 +104,19 @@ async def storm(base: str, args: argparse.Namespace) -> Counter:
     return where
 
 
-def replica_stats() -> list[dict[str, Any]]:
+def replica_stats(app: str = APP) -> list[dict[str, Any]]:
     from ray import serve
 
-    handle = serve.get_deployment_handle("LLMServer", APP)
+    handle = serve.get_deployment_handle("LLMServer", app)
     return handle.broadcast("record_routing_stats").results(timeout_s=10)
 
 
-def settle(deadline_s: float) -> tuple[float | None, list[dict[str, Any]]]:
+def settle(deadline_s: float, app: str = APP) -> tuple[float | None, list[dict[str, Any]]]:
+    """Seconds until every replica has nothing running or waiting and every KV block free (None
+    if that did not happen within deadline_s), and their last stats."""
     started_s = time.monotonic()
     while True:
-        stats = replica_stats()
+        stats = replica_stats(app)
         if all(s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_kv_blocks"] == s["num_total_kv_blocks"]
                for s in stats):
             return time.monotonic() - started_s, stats

@@ -215,6 +215,33 @@ def test_hostile_requests_get_a_4xx_and_harm_nobody(app, client):
     assert client.get("/health").status_code == 200
 
 
+def test_a_cancellation_storm_leaves_every_replica_idle(app, client):
+    """Streams cut off at random points (before any byte, after the headers, mid-stream, unary
+    requests whose connection closes): every replica ends with nothing running and every KV block
+    free, and keeps serving."""
+    from loadtest import cancel_storm
+
+    wait_healthy(client)
+    args = SimpleNamespace(streams=150, concurrency=50, seed=3)
+    where = asyncio.run(cancel_storm.storm(app.base, args))
+    assert sum(where.values()) == 150 and len(where) == 4, where
+    settle_s, stats = cancel_storm.settle(30, APP)
+    assert settle_s is not None, stats
+    assert client.post("/v1/completions", json=greedy_body("after the storm", 4)).status_code == 200
+
+
+def test_fuzzing_the_api_gets_no_5xx(app, client):
+    """Mutated, random and malformed requests (loadtest/fuzz_http.py): none gets a 5xx or hangs,
+    every error has the API's shape, and the service is healthy after."""
+    from loadtest.fuzz_http import cases, run_fuzz
+
+    report = asyncio.run(run_fuzz(app.base, list(cases(seed=11, count=400)), concurrency=16))
+    assert report.cases == 400
+    assert report.server_errors == [] and report.hung == [] and report.bad_error_bodies == [], report.to_dict()
+    assert report.statuses[200] > 20 and report.statuses[400] > 100
+    wait_healthy(client)
+
+
 def test_health_and_metrics_answer_from_the_replicas_that_reply(app, client):
     """Regression (defect 5): one slow replica made /health and /metrics report zero ready replicas."""
     wait_healthy(client)
