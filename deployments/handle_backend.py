@@ -55,9 +55,11 @@ HEALTH_CACHE_S = 1.0
 class AttemptFailed(Exception):
     """One attempt lost its replica; another replica may still serve the request."""
 
-    def __init__(self, reason: str, replica_id: str | None) -> None:
+    def __init__(self, reason: str, replica_id: str | None, refusal: APIError | None = None) -> None:
         super().__init__(reason)
         self.replica_id = replica_id
+        # The replica's own refusal (429 or 503), when that is what ended the attempt.
+        self.refusal = refusal
 
 
 class HandleBackend:
@@ -107,6 +109,8 @@ class HandleBackend:
                 if failure.replica_id is not None and failure.replica_id not in avoid:
                     avoid.append(failure.replica_id)
                 if attempt == self.retry.max_attempts:
+                    if failure.refusal is not None and failure.refusal.status == 429:
+                        raise failure.refusal from None  # every replica tried is overloaded: a 429 it is
                     raise not_ready(f"the request failed on {attempt} model replicas; the last one: {failure}; "
                                     "retry shortly") from None
                 if progress.started:
@@ -149,8 +153,8 @@ class HandleBackend:
                                 replica_id or request.routed_replica_id) from None
         except APIError as exc:
             if exc.status in (429, 503):
-                raise AttemptFailed(f"the replica refused: {exc.message}", replica_id or request.routed_replica_id) \
-                    from None
+                raise AttemptFailed(f"the replica refused: {exc.message}", replica_id or request.routed_replica_id,
+                                    _plain_api_error(exc)) from None
             raise _plain_api_error(exc) from None
         except _REPLICA_LOST as exc:
             raise AttemptFailed(f"the replica was lost ({type(exc).__name__})",

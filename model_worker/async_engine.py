@@ -32,21 +32,23 @@ class RequestFailed(RuntimeError):
     """The engine failed on this request (a step raised on it alone); other requests go on."""
 
 
+# Queued by next_within()'s timer: "no output came in time". Never an output.
+_TICK = object()
+
+
 class RequestStream:
     """The outputs of one queued request, in order. Closing it before the finished output aborts
     the request in the engine (at the next step boundary) and frees its KV blocks."""
 
-    __slots__ = ("request_id", "loop", "queue", "finished", "_owner", "_error", "_getter")
+    __slots__ = ("request_id", "loop", "queue", "finished", "_owner", "_error")
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: "AsyncLLMEngine") -> None:
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestOutput | BaseException | object] = asyncio.Queue()
         self.finished = False
         self._owner = owner
         self._error: BaseException | None = None
-        # A pending queue.get() of next_within() that timed out, kept for the next call.
-        self._getter: asyncio.Future[RequestOutput | BaseException] | None = None
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -55,10 +57,12 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         if self._error is not None:
-            item: RequestOutput | BaseException = self._error
+            item: RequestOutput | BaseException | object = self._error
         else:
             try:
-                item = await (self._take_getter() or self.queue.get())
+                item = await self.queue.get()
+                while item is _TICK:  # a next_within() timer that fired after its output came
+                    item = await self.queue.get()
             except BaseException:
                 self.close()
                 raise
@@ -66,23 +70,23 @@ class RequestStream:
 
     async def next_within(self, timeout_s: float) -> RequestOutput | None:
         """The next output, or None if none came within timeout_s; the request stays live (a
-        consumer sends keep-alives meanwhile). Raises StopAsyncIteration after the last output."""
-        if self.finished or self._error is not None or not self.queue.empty():
+        consumer sends keep-alives meanwhile). Raises StopAsyncIteration after the last output.
+        The wait is a timer that queues a tick, not a task per output: it costs a heap push."""
+        if self.finished or self._error is not None:
             return await self.__anext__()
-        if self._getter is None:
-            self._getter = asyncio.ensure_future(self.queue.get())
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if item is not _TICK:  # (a stale tick: an earlier timer that fired late)
+                return self._accept(item)
+        timer = self.loop.call_later(timeout_s, self.queue.put_nowait, _TICK)
         try:
-            done, _ = await asyncio.wait({self._getter}, timeout=timeout_s)
+            item = await self.queue.get()
         except BaseException:
             self.close()
             raise
-        if not done:
-            return None
-        return self._accept(self._take_getter().result())
-
-    def _take_getter(self) -> "asyncio.Future[RequestOutput | BaseException] | None":
-        getter, self._getter = self._getter, None
-        return getter
+        finally:
+            timer.cancel()
+        return None if item is _TICK else self._accept(item)
 
     def _accept(self, item: RequestOutput | BaseException) -> RequestOutput:
         if isinstance(item, BaseException):
@@ -101,6 +105,8 @@ class RequestStream:
         taken: list[RequestOutput] = []
         while not self.finished and self._error is None and not self.queue.empty():
             item = self.queue.get_nowait()
+            if item is _TICK:
+                continue
             if isinstance(item, BaseException):
                 self._error = item  # raised by the next __anext__, after what was taken
                 break
@@ -112,9 +118,6 @@ class RequestStream:
 
     def close(self) -> None:
         """Abort the request unless it already finished; safe to call more than once."""
-        getter = self._take_getter()
-        if getter is not None:
-            getter.cancel()
         if not self.finished:
             self.finished = True
             self._owner._forget(self.request_id)

@@ -182,3 +182,30 @@ def test_resumed_tokens_are_checked():
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_next_within_returns_none_while_waiting_and_every_output_in_order():
+    """LLMServer's keep-alives: a stream polled with a timeout yields None while no output comes,
+    never loses or reorders one, and late timer ticks are never taken for outputs."""
+    engine = make_async(step_delay_s=0.03)
+
+    async def main():
+        stream = engine.add_request([5, 6, 7], greedy(6))
+        tokens, nones = [], 0
+        while True:
+            try:
+                out = await stream.next_within(0.005)
+            except StopAsyncIteration:
+                break
+            if out is None:
+                nones += 1
+                continue
+            tokens += out.new_token_ids
+            tokens += [t for later in stream.ready() for t in later.new_token_ids]
+        assert tokens == reference_tokens([5, 6, 7], 6)
+        assert nones >= 6  # steps are 30 ms, polls 5 ms
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()

@@ -194,3 +194,21 @@ def test_unary_generate_migrates_too(cluster):
     clean, migrated = run(main())
     assert migrated.text == clean.text and migrated.token_ids == clean.token_ids
     assert migrated.num_output_tokens == 24 and migrated.finish_reason == "length"
+
+
+def test_when_every_replica_sheds_the_client_gets_429_with_retry_after(cluster):
+    handle, backend = cluster
+    for replica in handle.replicas.values():
+        replica.admission.max_waiting_requests = 1
+        replica.num_waiting["interactive"] = 1  # as if one request waited on each
+
+    async def main():
+        with pytest.raises(APIError) as info:
+            await backend.generate(request())
+        return info.value
+
+    error = run(main())
+    assert error.status == 429 and error.code == "overloaded" and error.retry_after_s
+    assert len(handle.calls) == 3
+    for replica in handle.replicas.values():
+        replica.num_waiting["interactive"] = 0
