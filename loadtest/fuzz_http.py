@@ -33,6 +33,11 @@ import httpx
 APP = "iterserve"
 # A case that gets no answer within this long counts as hung.
 CASE_TIMEOUT_S = 30.0
+# schemathesis is stopped after this long (its report so far is kept).
+SCHEMATHESIS_TIMEOUT_S = 1200.0
+# The fuzzed deployment's context: schema-valid requests may ask for all of it (a chat request
+# without max_tokens generates to the end of the context), so a short one keeps each case short.
+FUZZ_MAX_MODEL_LEN = 256
 
 _FIELDS = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
            "seed", "stop", "stop_token_ids", "ignore_eos", "n", "stream", "stream_options", "priority", "user",
@@ -204,8 +209,13 @@ def run_schemathesis(base: str, max_examples: int) -> dict[str, Any]:
     if exe is None:
         return {"ran": False, "why": "schemathesis is not installed (pip install schemathesis)"}
     cmd = [exe, "run", f"{base}/openapi.json", "--checks", "not_a_server_error", "--max-examples", str(max_examples),
-           "--request-timeout", str(CASE_TIMEOUT_S), "--no-color"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+           "--request-timeout", str(CASE_TIMEOUT_S), "--workers", "2", "--no-color"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=SCHEMATHESIS_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return {"ran": True, "timed_out_s": SCHEMATHESIS_TIMEOUT_S, "command": " ".join(cmd[1:]),
+                "tail": out.strip().splitlines()[-12:]}
     return {"ran": True, "exit_code": done.returncode, "command": " ".join(cmd[1:]),
             "tail": (done.stdout + done.stderr).strip().splitlines()[-12:]}
 
@@ -216,7 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--schemathesis", action="store_true", help="also run schemathesis against /openapi.json")
-    p.add_argument("--schemathesis-examples", type=int, default=200)
+    p.add_argument("--schemathesis-examples", type=int, default=100)
     p.add_argument("--url", default=None, help="fuzz a running server instead of deploying one (loopback only)")
     return p.parse_args(argv)
 
@@ -226,7 +236,8 @@ def deploy() -> None:
 
     from deployments.app import build_app
 
-    serve.run(build_app({"num_replicas": 2, "engine_args": {"num_threads": 1}, "request_body_timeout_s": 5.0}),
+    engine_args = {"num_threads": 1, "max_model_len": FUZZ_MAX_MODEL_LEN}
+    serve.run(build_app({"num_replicas": 2, "engine_args": engine_args, "request_body_timeout_s": 5.0}),
               name=APP, route_prefix="/")
 
 
