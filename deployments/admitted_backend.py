@@ -16,7 +16,7 @@ from typing import Any
 from autoscaler.admission import AdmissionController, AdmissionPolicy, Ticket
 from deployments.errors import APIError, overloaded
 from deployments.openai_service import Backend
-from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo
+from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo, whole_response
 
 
 class AdmittedBackend:
@@ -29,10 +29,7 @@ class AdmittedBackend:
         return await self.backend.model_info()
 
     async def generate(self, request: GenerateRequest) -> GenerationChunk:
-        whole = GenerationChunk(request.request_id)
-        async for chunk in self.generate_stream(request):
-            whole.extend(chunk)
-        return whole
+        return await whole_response(request.request_id, self.generate_stream(request))
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         """The backend's chunks; a request without a first token after the policy's queue timeout

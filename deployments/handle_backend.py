@@ -40,7 +40,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from ray.serve.handle import DeploymentHandle
 
 from deployments.errors import APIError, internal, not_ready, overloaded
-from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo
+from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo, whole_response
 from deployments.retry_policy import RetryPolicy
 
 # What Ray raises when the replica behind a call is gone (killed, crashed, its node lost).
@@ -90,10 +90,7 @@ class HandleBackend:
     # ---- generation ---------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> GenerationChunk:
-        whole = GenerationChunk(request.request_id)
-        async for chunk in self.generate_stream(request):
-            whole.extend(chunk)
-        return whole
+        return await whole_response(request.request_id, self.generate_stream(request))
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         """The request's chunks, across as many attempts as its replicas need (module docstring)."""

@@ -21,7 +21,7 @@ from typing import Any
 from deployments.errors import APIError, internal, invalid, not_ready, overloaded
 from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, TTFT_BUCKETS_S, Histogram,
                                  family_dict)
-from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo
+from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo, whole_response
 from model_worker.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed, RequestStream
 from model_worker.config import EngineConfig
 from model_worker.outputs import RequestOutput
@@ -172,10 +172,7 @@ class LLMServer:
 
     async def generate(self, request: GenerateRequest) -> GenerationChunk:
         """Run a request to the end and return it as one finished chunk."""
-        whole = GenerationChunk(request.request_id)
-        async for chunk in self.generate_stream(request):
-            whole.extend(chunk)
-        return whole
+        return await whole_response(request.request_id, self.generate_stream(request))
 
     def _admit(self, request: GenerateRequest) -> RequestStream:
         if not isinstance(request, GenerateRequest):

@@ -8,6 +8,7 @@ ingress tokenizes once), the prompt's chained block hashes (computed with the en
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from model_worker.request import Priority
@@ -91,3 +92,11 @@ class ModelInfo:
     eos_token_ids: list[int]
     # Unix time the replica loaded the model (the OpenAI `created` field).
     created: int
+
+
+async def whole_response(request_id: str, chunks: AsyncIterator[GenerationChunk]) -> GenerationChunk:
+    """A unary answer: every chunk of a stream folded into one finished chunk."""
+    whole = GenerationChunk(request_id)
+    async for chunk in chunks:
+        whole.extend(chunk)
+    return whole
