@@ -28,6 +28,8 @@ NUM_REPLICAS = 2
 # A client never waits longer than this for any response in this module: a hang fails the test.
 CLIENT_TIMEOUT_S = 60
 HEADER_TIMEOUT_S = 2.0
+# An interactive request with no first token after this long gets 503 queue_timeout.
+QUEUE_TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,8 @@ def app(default_model_dir):
     args = {"model": default_model_dir, "served_model_name": MODEL, "num_replicas": NUM_REPLICAS,
             "engine_args": {"num_threads": 1, "max_num_seqs": 32, "emulated_step_time_s": 0.05},
             "health_check_timeout_s": 2.0, "request_body_timeout_s": 2.0,
-            "retry": {"stall_timeout_s": 3.0, "first_reply_timeout_s": 3.0}}
+            "retry": {"stall_timeout_s": 3.0, "first_reply_timeout_s": 3.0},
+            "ingress_admission": {"queue_timeout_s": QUEUE_TIMEOUT_S}}
     serve.run(build_app(args), name=APP, route_prefix="/")
     try:
         yield SimpleNamespace(base=base, serve=serve)
@@ -243,6 +246,32 @@ def test_fuzzing_the_api_gets_no_5xx(app, client):
     assert report.cases == 400
     assert report.server_errors == [] and report.hung == [] and report.bad_error_bodies == [], report.to_dict()
     assert report.statuses[200] > 20 and report.statuses[400] > 100
+    wait_healthy(client)
+
+
+def test_a_request_that_cannot_get_a_first_token_in_time_gets_503(app, client):
+    """Regression (defect 9): requests admitted under overload waited with no response at all.
+    96 long requests (short distinct prompts: routed by load alone) take every seat of both
+    replicas (2 x 32) and queue beyond; later requests wait too, and get 503 queue_timeout with
+    Retry-After once QUEUE_TIMEOUT_S passes, while the seated ones finish."""
+    wait_healthy(client)
+
+    async def flood():
+        async with httpx.AsyncClient(base_url=app.base, timeout=CLIENT_TIMEOUT_S) as c:
+            seated = [asyncio.ensure_future(c.post("/v1/completions", json=greedy_body(f"long {i}", 200)))
+                      for i in range(96)]
+            await asyncio.sleep(1.0)
+            started_s = time.monotonic()
+            late = await asyncio.gather(*(c.post("/v1/completions", json=greedy_body("late", 4)) for _ in range(4)))
+            waited_s = time.monotonic() - started_s
+            return late, waited_s, await asyncio.gather(*seated)
+
+    late, waited_s, seated = asyncio.run(flood())
+    assert [r.status_code for r in late] == [503] * 4, [r.text[:200] for r in late]
+    assert all(r.json()["error"]["code"] == "queue_timeout" and int(r.headers["retry-after"]) >= 1 for r in late)
+    assert QUEUE_TIMEOUT_S * 0.9 < waited_s < QUEUE_TIMEOUT_S + 10
+    statuses = [r.status_code for r in seated]
+    assert set(statuses) <= {200, 503} and statuses.count(200) >= 2 * 32, statuses
     wait_healthy(client)
 
 

@@ -8,6 +8,7 @@ streams (Ray's ActorDiedError) or freeze them (no chunk, no keep-alive, ever) af
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import ActorDiedError
@@ -212,3 +213,56 @@ def test_when_every_replica_sheds_the_client_gets_429_with_retry_after(cluster):
     assert len(handle.calls) == 3
     for replica in handle.replicas.values():
         replica.num_waiting["interactive"] = 0
+
+
+class CountingBroadcast:
+    """handle.broadcast(...) that counts calls; each replica answers ready() after `delay_s`."""
+
+    def __init__(self, replies, delay_s=0.05):
+        self.calls = 0
+        self.replies = replies
+        self.delay_s = delay_s
+
+    def __call__(self, method):
+        self.calls += 1
+        return self
+
+    async def _fetch_replica_results_async(self):
+        return [_Reply(r, self.delay_s) for r in self.replies]
+
+
+class _Reply:
+    def __init__(self, value, delay_s):
+        self.value, self.delay_s = value, delay_s
+
+    async def get_async(self):
+        await asyncio.sleep(self.delay_s)
+        return self.value
+
+
+def test_health_is_cached_and_concurrent_probes_share_one_broadcast():
+    """Regression (defect 9): /health ran a broadcast to every replica per call, an
+    unauthenticated amplifier."""
+    from tests.unit.fakes import FakeClock
+
+    clock = FakeClock()
+    broadcast = CountingBroadcast([{"replica": "a", "model_loaded": True, "engine_running": True}])
+    backend = HandleBackend(SimpleNamespace(broadcast=broadcast), "app", "LLMServer", clock=clock)
+
+    async def states():
+        return {"RUNNING": 1}
+
+    backend.replica_states = states
+
+    async def main():
+        results = await asyncio.gather(*(backend.health() for _ in range(50)))
+        assert broadcast.calls == 1 and all(r == (True, {"replicas": {"RUNNING": 1}, "ready_replicas": 1})
+                                            for r in results)
+        clock.advance(0.5)
+        await backend.health()
+        assert broadcast.calls == 1  # cached
+        clock.advance(0.6)
+        await backend.health()
+        assert broadcast.calls == 2
+
+    run(main())
