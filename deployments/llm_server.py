@@ -24,6 +24,7 @@ from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, 
 from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo, whole_response
 from model_worker.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed, RequestStream
 from model_worker.config import EngineConfig
+from model_worker.models import served_name
 from model_worker.outputs import RequestOutput
 from model_worker.sampling_params import SamplingParams, SamplingParamsError
 from model_worker.scheduler import RequestRejected
@@ -97,7 +98,7 @@ class LLMServer:
         # Requests the engine runs at once (max_num_seqs): the autoscaler sizes surges in seats.
         self.num_seats = scheduler.max_num_seqs
         self.info = ModelInfo(
-            served_model_name=served_model_name or model or "iterserve-default",
+            served_model_name=served_model_name or served_name(model),
             # A request must fit both the model's positions and the whole KV cache.
             max_model_len=min(scheduler.max_model_len, scheduler.num_kv_blocks * scheduler.block_size),
             block_size=scheduler.block_size,

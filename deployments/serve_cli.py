@@ -17,7 +17,7 @@ APP_NAME = "iterserve"
 
 def add_parser(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server on a local Ray (foreground)")
-    serve.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the embedded model)")
+    serve.add_argument("--model", default=None, help='checkpoint directory, hub id, .gguf file, or "tiny" (default: SmolLM2-135M-Instruct)')
     serve.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
     serve.add_argument("--replicas", type=int, default=1, help="LLMServer replicas (engines)")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP listen address (0.0.0.0 to expose it)")
@@ -43,11 +43,18 @@ def run(args: argparse.Namespace) -> int:
     actor_options: dict[str, Any] = {"num_cpus": 0}
     if args.num_gpus_per_replica:
         actor_options["num_gpus"] = args.num_gpus_per_replica
-    app_args = AppArgs.parse({"model": args.model, "served_model_name": args.served_model_name,
+    from model_worker.models import resolve_model, served_name
+
+    # Build or convert the embedded model (or a .gguf file) here, once and in the foreground,
+    # rather than in every replica at once behind the cache lock.
+    print(f"iterserve: preparing model {served_name(args.model)!r} (the first use converts it once)", flush=True)
+    prepared_s = time.monotonic()
+    model = resolve_model(args.model)
+    print(f"iterserve: model ready in {time.monotonic() - prepared_s:.1f}s: {model}", flush=True)
+    app_args = AppArgs.parse({"model": model, "served_model_name": args.served_model_name or served_name(args.model),
                               "num_replicas": args.replicas, "api_key": args.api_key,
                               "engine_args": engine_args, "llm_server_actor_options": actor_options})
-    print(f"iterserve: starting Ray and {args.replicas} replica(s); the first start builds the embedded model",
-          flush=True)
+    print(f"iterserve: starting Ray and {args.replicas} replica(s)", flush=True)
     started_s = time.monotonic()
     from deployments.local_ray import init_local_ray
 

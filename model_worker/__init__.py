@@ -8,21 +8,23 @@ from model_worker.async_engine import AsyncLLMEngine, EngineDeadError, RequestFa
 from model_worker.config import EngineConfig
 from model_worker.engine import LLMEngine
 from model_worker.hashing import hash_block_tokens, hash_prompt_blocks
+from model_worker.models import DEFAULT_MODEL, TINY_MODEL, default_model_path, resolve_model
 from model_worker.outputs import RequestOutput
 from model_worker.request import Priority, RequestStatus
 from model_worker.sampling_params import SamplingParams, SamplingParamsError
 from model_worker.scheduler import RequestRejected
 
 
-def default_model_path(cache_dir: str | None = None) -> str:
-    """Directory of the embedded default model (a normal HF checkpoint), built if missing."""
-    from model_worker.default_model import default_model_path as build
+def tiny_model_path(cache_dir: str | None = None) -> str:
+    """Directory of the tiny random-weight model (a normal HF checkpoint), built if missing."""
+    from model_worker.tiny_model import tiny_model_path as build
 
     return build(cache_dir)
 
 
 __all__ = [
-    "AsyncLLMEngine", "EngineConfig", "EngineDeadError", "LLMEngine", "Priority", "RequestFailed", "RequestOutput",
-    "RequestRejected", "RequestStream", "RequestStatus", "SamplingParams", "SamplingParamsError", "default_model_path",
-    "hash_block_tokens", "hash_prompt_blocks",
+    "DEFAULT_MODEL", "TINY_MODEL", "AsyncLLMEngine", "EngineConfig", "EngineDeadError", "LLMEngine", "Priority",
+    "RequestFailed", "RequestOutput", "RequestRejected", "RequestStream", "RequestStatus", "SamplingParams",
+    "SamplingParamsError", "default_model_path", "hash_block_tokens", "hash_prompt_blocks", "resolve_model",
+    "tiny_model_path",
 ]

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="offline generation demo: stream completions of a few prompts at once")
-    demo.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the embedded model)")
+    demo.add_argument("--model", default=None, help='checkpoint directory, hub id, .gguf file, or "tiny" (default: SmolLM2-135M-Instruct)')
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--temperature", type=float, default=0.8)
     demo.add_argument("--seed", type=int, default=0)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 async def _demo(args: argparse.Namespace) -> int:
     from model_worker.async_engine import AsyncLLMEngine
 
-    print("iterserve demo: loading the model (the embedded default model is built on first use)...", flush=True)
+    print("iterserve demo: loading the model (the first use converts the embedded SmolLM2 once)...", flush=True)
     start_s = time.monotonic()
     engine = AsyncLLMEngine(EngineConfig(model=args.model))
     print(f"loaded in {time.monotonic() - start_s:.1f}s; streaming {len(DEMO_PROMPTS)} requests batched together\n")

@@ -12,8 +12,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
 
 @dataclass(slots=True)
 class EngineConfig:
-    # Checkpoint directory (config.json + *.safetensors + tokenizer files) or a hub id.
-    # None means the embedded default model (model_worker.default_model_path()).
+    # None (the embedded default, SmolLM2-135M-Instruct), "tiny" (the tiny random model), a .gguf
+    # file, a checkpoint directory (config.json + *.safetensors + tokenizer files) or a hub id.
     model: str | None = None
     # Tokenizer directory or hub id; None uses the model's.
     tokenizer: str | None = None
@@ -42,7 +42,8 @@ class EngineConfig:
     # request joins until the whole batch has finished (a baseline for benchmarks only).
     batching: str = "continuous"
     device: str = "auto"
-    # "auto": float32 on CPU, bfloat16 on CUDA.
+    # "auto": bfloat16 on CUDA and on a CPU with native bf16 (avx512_bf16, AMX, Arm BF16), float32 on
+    # other CPUs, where bf16 is emulated and slower (model_worker/cpu_features.py).
     dtype: str = "auto"
     attention_backend: str = "auto"
     # Seed for requests without their own seed.

@@ -358,8 +358,8 @@ class LLMEngine:
 
 def _build_runner(config: EngineConfig) -> tuple[EngineConfig, ModelRunner]:
     """The torch runner, imported here so the engine core imports without torch."""
-    if config.model is None:
-        from model_worker.default_model import default_model_path
-        config = dataclasses.replace(config, model=default_model_path())
+    from model_worker.models import resolve_model
+
+    config = dataclasses.replace(config, model=resolve_model(config.model))
     from model_worker.runner.model_runner import TorchModelRunner
     return config, TorchModelRunner(config)

@@ -167,7 +167,20 @@ class DecoderWeights:
 
 
 class LlamaDecoder:
-    """Functional decoder: plain tensors and torch ops, no nn.Module bookkeeping in the hot loop."""
+    """Functional decoder: plain tensors and torch ops, no nn.Module bookkeeping in the hot loop.
+
+    Below float32 (bfloat16, float16) the weights, matmuls and KV cache are in the model dtype,
+    and the numerically sensitive parts stay in float32, each a switch (measured one by one in
+    docs/benchmarks.md, `python -m loadtest.bench_agreement`):
+    - `fp32_residual`: the residual stream between layers, so rounding does not pile up over 30
+      layers of additions; each layer reads a normed copy in the model dtype.
+    - `fp32_rotary`: cos/sin tables and the rotation of q and k, rounded once afterwards.
+    - `fp32_logits`: the final norm and the LM head on float32 weights (on CPU only, where the
+      float32 copy of the head is cheap; on CUDA the logits are computed in the model dtype and
+      upcast, as vLLM does).
+    RMSNorm statistics are always float32, and attention's softmax accumulates in float32 inside
+    the attention kernels.
+    """
 
     def __init__(self, spec: DecoderSpec, weights: DecoderWeights, attention: AttentionBackend,
                  max_model_len: int) -> None:
@@ -176,13 +189,24 @@ class LlamaDecoder:
         self.attention = attention
         self.scale = spec.head_dim ** -0.5
         device, dtype = weights.embed_tokens.device, weights.embed_tokens.dtype
-        # cos/sin tables (max_model_len, head_dim), computed in float32 then cast to the model dtype,
-        # as transformers does per forward.
+        self.dtype = dtype
+        reduced = dtype != torch.float32
+        self.fp32_residual = reduced
+        self.fp32_rotary = reduced
+        self.fp32_logits = reduced and device.type == "cpu"
+        # cos/sin tables (max_model_len, head_dim), computed in float32, kept in float32 for the
+        # float32 rotation and cast to the model dtype (as transformers does per forward) otherwise.
         positions = torch.arange(max_model_len, dtype=torch.float32)
         freqs = torch.outer(positions, spec.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_table = (emb.cos() * spec.rope_attention_scaling).to(device=device, dtype=dtype)
-        self.sin_table = (emb.sin() * spec.rope_attention_scaling).to(device=device, dtype=dtype)
+        self.cos_table32 = (emb.cos() * spec.rope_attention_scaling).to(device=device)
+        self.sin_table32 = (emb.sin() * spec.rope_attention_scaling).to(device=device)
+        self.cos_table = self.cos_table32.to(dtype)
+        self.sin_table = self.sin_table32.to(dtype)
+        self._lm_head32: torch.Tensor | None = None
+        self._norm32 = weights.norm.float()
+        if self.fp32_logits:
+            self._float32_lm_head()  # now, so the memory profile sees it
         # F.rms_norm is one fused op; transformers normalises in float32 and casts back, which only
         # differs from it below float32.
         self._fused_norm = dtype == torch.float32
@@ -190,15 +214,20 @@ class LlamaDecoder:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attn_metadata: Any, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (T,). Returns float32 logits (len(logits_indices), vocab)."""
-        spec, weights = self.spec, self.weights
+        weights = self.weights
         hidden = F.embedding(input_ids, weights.embed_tokens)  # (T, hidden)
-        cos = self.cos_table[positions].unsqueeze(1)  # (T, 1, head_dim)
-        sin = self.sin_table[positions].unsqueeze(1)
+        if self.fp32_residual:
+            hidden = hidden.float()
+        tables = (self.cos_table32, self.sin_table32) if self.fp32_rotary else (self.cos_table, self.sin_table)
+        cos = tables[0][positions].unsqueeze(1)  # (T, 1, head_dim)
+        sin = tables[1][positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(weights.layers, kv_caches):
             hidden = self._layer(layer, hidden, cos, sin, k_cache, v_cache, attn_metadata)
         hidden = hidden[logits_indices]  # the final norm is per row, so only sampled rows need it
-        hidden = self._rms_norm(hidden, weights.norm)
-        return F.linear(hidden, weights.lm_head).float()
+        if self.fp32_logits:
+            normed = F.rms_norm(hidden.float(), self._norm32.shape, self._norm32, self.spec.rms_norm_eps)
+            return F.linear(normed, self._float32_lm_head())
+        return F.linear(self._rms_norm(hidden, weights.norm), weights.lm_head).float()
 
     def _layer(self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
@@ -208,7 +237,9 @@ class LlamaDecoder:
         qkv = F.linear(normed, layer.qkv_proj, layer.qkv_bias)  # (T, q_size + 2 * kv_size)
         # q and k are rotated together: (T, num_heads + num_kv_heads, head_dim).
         qk = qkv[:, : spec.q_size + spec.kv_size].view(num_tokens, spec.num_heads + spec.num_kv_heads, spec.head_dim)
-        qk = qk * cos + _rotate_half(qk) * sin
+        if cos.dtype != qk.dtype:
+            qk = qk.float()
+        qk = (qk * cos + _rotate_half(qk) * sin).to(self.dtype)
         q = qk[:, : spec.num_heads]
         k = qk[:, spec.num_heads:]
         v = qkv[:, spec.q_size + spec.kv_size:].view(num_tokens, spec.num_kv_heads, spec.head_dim)
@@ -219,11 +250,18 @@ class LlamaDecoder:
         return hidden + F.linear(F.silu(gate) * up, layer.down_proj)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm with float32 statistics; the result is in the model dtype, whatever x's dtype
+        (a float32 residual stream is read in the model dtype by the next matmul)."""
         if self._fused_norm:
             return F.rms_norm(x, weight.shape, weight, self.spec.rms_norm_eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
-        return weight * x32.to(x.dtype)
+        return weight * x32.to(weight.dtype)
+
+    def _float32_lm_head(self) -> torch.Tensor:
+        if self._lm_head32 is None:
+            self._lm_head32 = self.weights.lm_head.float()
+        return self._lm_head32
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,12 @@ class Checkpoint:
     weights: DecoderWeights
 
 
-def resolve_model_path(name: str) -> str:
-    """A local checkpoint directory, or a hub id downloaded into the hub cache."""
+def resolve_model_path(name: str | None) -> str:
+    """A local checkpoint directory: the embedded models and GGUF files as model_worker.models
+    resolves them, a directory as it is, or a hub id downloaded into the hub cache."""
+    from model_worker.models import resolve_model
+
+    name = resolve_model(name)
     if os.path.isdir(name):
         return os.path.abspath(name)
     try:
@@ -51,7 +55,7 @@ def load_hf_config(path: str) -> Any:
     return AutoConfig.from_pretrained(path)
 
 
-def load_checkpoint(model: str, device: torch.device, dtype: torch.dtype) -> Checkpoint:
+def load_checkpoint(model: str | None, device: torch.device, dtype: torch.dtype) -> Checkpoint:
     path = resolve_model_path(model)
     hf_config = load_hf_config(path)
     spec = DecoderSpec.from_hf_config(hf_config)
@@ -59,7 +63,7 @@ def load_checkpoint(model: str, device: torch.device, dtype: torch.dtype) -> Che
     return Checkpoint(path=path, hf_config=hf_config, spec=spec, weights=weights)
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str | None) -> Any:
     """The checkpoint's Hugging Face tokenizer (a local directory or a hub id)."""
     from transformers import AutoTokenizer
 

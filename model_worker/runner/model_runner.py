@@ -16,6 +16,7 @@ import torch
 
 from model_worker.batch import ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig
+from model_worker.cpu_features import has_native_bf16
 from model_worker.runner.attention import StepLayout, create_attention_backend
 from model_worker.runner.llama import LlamaDecoder
 from model_worker.runner.loader import load_checkpoint, load_eos_token_ids, load_tokenizer
@@ -34,8 +35,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 on CUDA, and on a CPU with native bf16 instructions; float32 on other CPUs
+    (model_worker/cpu_features.py: emulated bf16 is slower than float32)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
     return _DTYPES[name]
 
 
@@ -46,11 +51,7 @@ class TorchModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        model = config.model
-        if model is None:
-            from model_worker.default_model import default_model_path
-
-            model = default_model_path()
+        model = config.model  # None, "tiny", a .gguf file, a directory or a hub id (model_worker/models.py)
         # Seconds each part of loading took: what a new replica waits for before serving.
         self.load_times_s: dict[str, float] = {}
         started_s = time.perf_counter()

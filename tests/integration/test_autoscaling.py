@@ -27,14 +27,14 @@ ENGINE = {"num_threads": 1, "max_num_seqs": 4, "emulated_step_time_s": 0.05}
 
 
 @pytest.fixture(scope="module")
-def app(default_model_dir):
+def app(tiny_model_dir):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     from ray import serve
 
     from deployments.app import build_app
 
     base = start_local_serve(num_cpus=2)
-    args = {"model": default_model_dir, "served_model_name": MODEL, "autoscaling": AUTOSCALING,
+    args = {"model": tiny_model_dir, "served_model_name": MODEL, "autoscaling": AUTOSCALING,
             "engine_args": ENGINE, "drain_timeout_s": 30}
     serve.run(build_app(args), name="iterserve", route_prefix="/")
     try:

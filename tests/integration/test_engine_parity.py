@@ -1,4 +1,5 @@
-"""The real engine on the default model against transformers' own greedy `generate`.
+"""The real engine on the tiny model against transformers' own greedy `generate` (the same checks
+on SmolLM2, a trained model, with chat prompts: test_smollm2.py).
 
 Every prompt runs batched with 15+ others (mixed lengths, chunked prefill, prefix caching,
 preemption), and must produce token for token what `generate` gives for that prompt alone.
@@ -10,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
-from model_worker import EngineConfig, LLMEngine, SamplingParams, default_model_path
+from model_worker import EngineConfig, LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.integration
 
@@ -28,8 +29,8 @@ def make_prompts(tokenizer, count: int, shared_prefix: str = "") -> list[list[in
 
 
 @pytest.fixture(scope="module")
-def model_path() -> str:
-    return default_model_path()
+def model_path(tiny_model_dir) -> str:
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def assert_parity(tokens, prompts, max_tokens, reference):
 
 
 def test_mixed_batch_matches_generate_alone(model_path, reference):
-    engine = LLMEngine(EngineConfig(model=model_path, max_num_batched_tokens=128, max_num_seqs=16,
+    engine = LLMEngine(EngineConfig(model=model_path, dtype="float32", max_num_batched_tokens=128, max_num_seqs=16,
                                     num_kv_blocks=512))
     prompts = make_prompts(engine.tokenizer, 18)
     assert max(map(len, prompts)) > 128, "some prompt must be prefilled in chunks"
@@ -84,7 +85,7 @@ def test_mixed_batch_matches_generate_alone(model_path, reference):
 
 
 def test_shared_prefix_with_prefix_caching_matches_generate(model_path, reference):
-    engine = LLMEngine(EngineConfig(model=model_path, max_num_batched_tokens=256, num_kv_blocks=512,
+    engine = LLMEngine(EngineConfig(model=model_path, dtype="float32", max_num_batched_tokens=256, num_kv_blocks=512,
                                     enable_prefix_caching=True))
     system = "You are a careful assistant. " * 12
     prompts = make_prompts(engine.tokenizer, 16, shared_prefix=system)
@@ -100,7 +101,7 @@ def test_shared_prefix_with_prefix_caching_matches_generate(model_path, referenc
 
 
 def test_cache_small_enough_to_preempt_still_matches_generate(model_path, reference):
-    engine = LLMEngine(EngineConfig(model=model_path, max_num_batched_tokens=256, num_kv_blocks=48))
+    engine = LLMEngine(EngineConfig(model=model_path, dtype="float32", max_num_batched_tokens=256, num_kv_blocks=48))
     prompts = make_prompts(engine.tokenizer, 16)
     max_tokens = [24 + (i * 7) % 17 for i in range(len(prompts))]
     tokens = run_engine(engine, prompts, max_tokens)
@@ -110,7 +111,7 @@ def test_cache_small_enough_to_preempt_still_matches_generate(model_path, refere
 
 
 def test_static_mode_gives_the_same_tokens(model_path, reference):
-    engine = LLMEngine(EngineConfig(model=model_path, batching="static", max_num_seqs=8, num_kv_blocks=512))
+    engine = LLMEngine(EngineConfig(model=model_path, dtype="float32", batching="static", max_num_seqs=8, num_kv_blocks=512))
     prompts = make_prompts(engine.tokenizer, 10)
     max_tokens = [5 + i for i in range(len(prompts))]
     tokens = run_engine(engine, prompts, max_tokens)
@@ -119,7 +120,7 @@ def test_static_mode_gives_the_same_tokens(model_path, reference):
 
 
 def test_text_prompt_and_streamed_text(model_path):
-    engine = LLMEngine(EngineConfig(model=model_path))
+    engine = LLMEngine(EngineConfig(model=model_path, dtype="float32"))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     engine.add_request("t", "Continuous batching is", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     text, ids = "", []

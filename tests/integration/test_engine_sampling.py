@@ -6,15 +6,15 @@ import asyncio
 
 import pytest
 
-from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams, default_model_path
+from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from tests.unit.fakes import stats_once_aborted
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def model_path() -> str:
-    return default_model_path()
+def model_path(tiny_model_dir) -> str:
+    return tiny_model_dir
 
 
 def generate_all(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> dict[str, list[int]]:
@@ -29,23 +29,23 @@ def generate_all(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParam
 
 def test_same_seed_same_tokens_whatever_the_batch_and_preemption(model_path):
     seeded = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
-    alone = generate_all(LLMEngine(EngineConfig(model=model_path, num_kv_blocks=256)),
+    alone = generate_all(LLMEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=256)),
                          {"s": ("Seeded sampling is", seeded)})["s"]
     # Same request in a crowded batch on a cache small enough to preempt.
-    engine = LLMEngine(EngineConfig(model=model_path, num_kv_blocks=24, max_num_batched_tokens=64))
+    engine = LLMEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=24, max_num_batched_tokens=64))
     noise = {f"n{i}": (f"noise request number {i} " * (i + 1), SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True))
              for i in range(6)}
     crowded = generate_all(engine, {"s": ("Seeded sampling is", seeded), **noise})
     assert engine.stats()["num_preemptions"] > 0
     assert crowded["s"] == alone
     other_seed = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, top_k=50, seed=4321, ignore_eos=True)
-    different = generate_all(LLMEngine(EngineConfig(model=model_path, num_kv_blocks=256)),
+    different = generate_all(LLMEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=256)),
                              {"s": ("Seeded sampling is", other_seed)})["s"]
     assert different != alone, "another seed draws other tokens"
 
 
 def test_top_k_one_is_greedy(model_path):
-    engine = LLMEngine(EngineConfig(model=model_path, num_kv_blocks=256))
+    engine = LLMEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=256))
     out = generate_all(engine, {
         "greedy": ("Top k of one", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)),
         "k1": ("Top k of one", SamplingParams(max_tokens=20, temperature=1.5, top_k=1, ignore_eos=True)),
@@ -54,7 +54,7 @@ def test_top_k_one_is_greedy(model_path):
 
 
 def test_async_engine_streams_and_cancel_frees_blocks(model_path):
-    engine = AsyncLLMEngine(EngineConfig(model=model_path, num_kv_blocks=256))
+    engine = AsyncLLMEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=256))
 
     async def main():
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -88,7 +88,7 @@ def test_numerically_extreme_parameters_never_reach_a_step_as_nan(model_path):
     """Regression (issue 11, defect 2 and 9): `top_p: 1e-300` rounded to 0 in float32 and made the
     sampler index -1, killing the engine with every request batched beside it; `temperature:
     1e-300` divided the logits by a float32 zero and silently returned token 0."""
-    engine = LLMEngine(EngineConfig(model=model_path, num_kv_blocks=256))
+    engine = LLMEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=256))
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     reference = generate_all(engine, {"g": ("Tiny values", greedy)})["g"]
     out = generate_all(engine, {
@@ -107,7 +107,7 @@ def test_a_step_that_raises_on_one_request_fails_only_that_request(model_path):
     """The real runner, with a sampler that raises on one request's row (as the top_p bug did):
     that request fails with the error, the others in its batch produce their solo tokens, and the
     engine goes on serving."""
-    engine = LLMEngine(EngineConfig(model=model_path, num_kv_blocks=256))
+    engine = LLMEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=256))
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompts = {f"r{i}": f"bystander number {i}" for i in range(4)}
     solo = {rid: generate_all(engine, {rid: (prompt, greedy)})[rid] for rid, prompt in prompts.items()}

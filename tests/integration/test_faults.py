@@ -33,7 +33,7 @@ QUEUE_TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
-def app(default_model_dir):
+def app(tiny_model_dir):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     from ray import serve
 
@@ -49,8 +49,8 @@ def app(default_model_dir):
             os.environ.pop("ITERSERVE_HTTP_HEADER_TIMEOUT_S")
         else:
             os.environ["ITERSERVE_HTTP_HEADER_TIMEOUT_S"] = saved
-    args = {"model": default_model_dir, "served_model_name": MODEL, "num_replicas": NUM_REPLICAS,
-            "engine_args": {"num_threads": 1, "max_num_seqs": 32, "emulated_step_time_s": 0.05},
+    args = {"model": tiny_model_dir, "served_model_name": MODEL, "num_replicas": NUM_REPLICAS,
+            "engine_args": {"num_threads": 1, "max_num_seqs": 32, "emulated_step_time_s": 0.05, "dtype": "float32"},
             "health_check_timeout_s": 2.0, "request_body_timeout_s": 2.0,
             "retry": {"stall_timeout_s": 3.0, "first_reply_timeout_s": 3.0},
             "ingress_admission": {"queue_timeout_s": QUEUE_TIMEOUT_S}}

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import model_worker.default_model as default_model
+import model_worker.tiny_model as tiny_model
 from model_worker.batch import ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig
 from model_worker.runner import TorchModelRunner
@@ -28,7 +28,7 @@ TEXT = ("The scheduler decides, the runner executes. A runner never changes requ
 
 
 def make_runner(model_dir: str, **overrides) -> TorchModelRunner:
-    settings = dict(model=model_dir, num_kv_blocks=128, block_size=16, num_threads=2)
+    settings = dict(model=model_dir, num_kv_blocks=128, block_size=16, num_threads=2, dtype="float32")
     settings.update(overrides)
     return TorchModelRunner(EngineConfig(**settings))
 
@@ -53,8 +53,8 @@ def hf_logits(model_dir: str, token_ids: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def runner(default_model_dir) -> TorchModelRunner:
-    return make_runner(default_model_dir)
+def runner(tiny_model_dir) -> TorchModelRunner:
+    return make_runner(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -66,17 +66,17 @@ def prompt(runner) -> list[int]:
 
 # --- (a), (b): logits at every position equal transformers' ---
 
-def test_default_model_logits_match_transformers(runner, default_model_dir, prompt):
+def test_tiny_model_logits_match_transformers(runner, tiny_model_dir, prompt):
     ours = runner.compute_logits(step(seq("a", prompt, 0, range(0, 4))), all_tokens=True)
-    torch.testing.assert_close(ours, hf_logits(default_model_dir, prompt), atol=ATOL, rtol=0)
+    torch.testing.assert_close(ours, hf_logits(tiny_model_dir, prompt), atol=ATOL, rtol=0)
 
 
-def test_default_model_chunked_logits_match_transformers(runner, default_model_dir, prompt):
+def test_tiny_model_chunked_logits_match_transformers(runner, tiny_model_dir, prompt):
     """Chunks of 7 tokens attend to the earlier chunks through the paged cache."""
     blocks = list(range(4, 8))
     chunks = [runner.compute_logits(step(seq("a", prompt[i:i + 7], i, blocks)), all_tokens=True)
               for i in range(0, len(prompt), 7)]
-    torch.testing.assert_close(torch.cat(chunks), hf_logits(default_model_dir, prompt), atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(chunks), hf_logits(tiny_model_dir, prompt), atol=ATOL, rtol=0)
 
 
 def _save_tiny(tmp_path, config, tokenizer_dir: str) -> str:
@@ -106,9 +106,9 @@ def _tiny_configs(vocab_size: int):
 
 
 @pytest.mark.parametrize("name", ["qwen2", "mistral", "llama3_rope"])
-def test_tiny_checkpoints_match_transformers(name, tmp_path, default_model_dir, runner):
+def test_tiny_checkpoints_match_transformers(name, tmp_path, tiny_model_dir, runner):
     config = _tiny_configs(runner.vocab_size)[name]
-    model_dir = _save_tiny(tmp_path, config, default_model_dir)
+    model_dir = _save_tiny(tmp_path, config, tiny_model_dir)
     tiny = make_runner(model_dir, num_kv_blocks=32)
     # Long enough to pass original_max_position_embeddings (64) of the llama3 RoPE.
     token_ids = [(i * 37) % runner.vocab_size for i in range(100)]
@@ -128,11 +128,11 @@ def test_legacy_rope_fields_and_dynamic_rope_refused():
         compute_rope_frequencies(dynamic, head_dim=8)
 
 
-def test_bad_checkpoints_and_lengths_are_refused(tmp_path, default_model_dir, runner):
+def test_bad_checkpoints_and_lengths_are_refused(tmp_path, tiny_model_dir, runner):
     from transformers import GPT2Config
 
     with pytest.raises(ValueError, match="max_model_len"):
-        make_runner(default_model_dir, max_model_len=4096)
+        make_runner(tiny_model_dir, max_model_len=4096)
     gpt2_dir = tmp_path / "gpt2"
     GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(gpt2_dir)
     with pytest.raises(ValueError, match="unsupported model_type"):
@@ -145,8 +145,8 @@ def test_bad_checkpoints_and_lengths_are_refused(tmp_path, default_model_dir, ru
 
 # --- (c): chunked prefill mixed with decodes gives the full-prefill token ---
 
-def test_chunked_prefill_mixed_with_decodes_matches_full_prefill(default_model_dir, prompt):
-    runner = make_runner(default_model_dir, num_kv_blocks=64)
+def test_chunked_prefill_mixed_with_decodes_matches_full_prefill(tiny_model_dir, prompt):
+    runner = make_runner(tiny_model_dir, num_kv_blocks=64)
     other = prompt[::-1][:20]
     expected = runner.execute(step(seq("ref", prompt, 0, range(0, 4))))[0]
     expected_other = runner.execute(step(seq("ref-other", other, 0, range(4, 6))))[0]
@@ -162,9 +162,9 @@ def test_chunked_prefill_mixed_with_decodes_matches_full_prefill(default_model_d
     assert tokens[1] == expected
 
 
-def test_prefix_hit_on_block_written_in_the_same_step(default_model_dir, prompt):
+def test_prefix_hit_on_block_written_in_the_same_step(tiny_model_dir, prompt):
     """B reuses A's first block while A is still writing it: B must read it after A's write."""
-    runner = make_runner(default_model_dir, num_kv_blocks=64)
+    runner = make_runner(tiny_model_dir, num_kv_blocks=64)
     expected = runner.execute(step(seq("ref", prompt, 0, range(0, 4))))[0]
     writer = seq("A", prompt[:32], 0, [10, 11], sample=False)
     reader = seq("B", prompt[16:], 16, [10, 20, 21, 22])
@@ -173,13 +173,13 @@ def test_prefix_hit_on_block_written_in_the_same_step(default_model_dir, prompt)
 
 # --- (d): greedy decoding reproduces transformers' generate ---
 
-def test_greedy_batch_decoding_matches_generate(runner, default_model_dir):
+def test_greedy_batch_decoding_matches_generate(runner, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     texts = ["def execute(self, batch):", "Block hashes are chained and namespaced", TEXT]
     prompts = [runner.tokenizer(t)["input_ids"] for t in texts]
     num_new = 12
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     expected = [model.generate(torch.tensor([p]), max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False)
                 [0, len(p):].tolist() for p in prompts]
     tables = [list(range(40 + 8 * i, 48 + 8 * i)) for i in range(len(prompts))]
@@ -232,12 +232,12 @@ def test_top_k_one_is_greedy(runner, prompt):
 
 # --- (f): the default model is built once ---
 
-def test_default_model_path_is_idempotent(default_model_cache_dir, default_model_dir, monkeypatch):
+def test_tiny_model_path_is_idempotent(model_cache_dir, tiny_model_dir, monkeypatch):
     def no_rebuild(out_dir):
         raise AssertionError("default model rebuilt although it is cached")
 
-    monkeypatch.setattr(default_model, "build_checkpoint", no_rebuild)
-    assert default_model.default_model_path(default_model_cache_dir) == default_model_dir
+    monkeypatch.setattr(tiny_model, "build_checkpoint", no_rebuild)
+    assert tiny_model.tiny_model_path(model_cache_dir) == tiny_model_dir
 
 
 def test_top_p_keeps_exactly_the_sorted_nucleus():
@@ -285,11 +285,11 @@ def _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 
 @pytest.mark.parametrize("block_size", [16, 256])  # gathered varlen K/V, and the paged block_table path
-def test_flash_attn_backend_logic_matches_torch_backend(default_model_dir, prompt, block_size):
+def test_flash_attn_backend_logic_matches_torch_backend(tiny_model_dir, prompt, block_size):
     from model_worker.runner.attention import FlashAttentionBackend
 
-    torch_runner = make_runner(default_model_dir, num_kv_blocks=16, block_size=block_size)
-    flash_runner = make_runner(default_model_dir, num_kv_blocks=16, block_size=block_size)
+    torch_runner = make_runner(tiny_model_dir, num_kv_blocks=16, block_size=block_size)
+    flash_runner = make_runner(tiny_model_dir, num_kv_blocks=16, block_size=block_size)
     fake_flash = FlashAttentionBackend.__new__(FlashAttentionBackend)
     fake_flash._varlen = _reference_varlen
     flash_runner.attention = flash_runner.model.attention = fake_flash
@@ -325,3 +325,23 @@ def test_top_p_that_rounds_to_zero_keeps_the_top_token():
     probs = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.25, 0.25]])
     kept = _apply_top_p(probs, [1e-300, 0.0]) > 0
     assert kept.tolist() == [[False, True, False], [True, False, False]]
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it_natively(monkeypatch):
+    from model_worker.runner import model_runner
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(model_runner, "has_native_bf16", lambda: False)
+    assert model_runner.resolve_dtype("auto", cpu) == torch.float32
+    monkeypatch.setattr(model_runner, "has_native_bf16", lambda: True)
+    assert model_runner.resolve_dtype("auto", cpu) == torch.bfloat16
+    assert model_runner.resolve_dtype("float32", cpu) == torch.float32
+    assert model_runner.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_float32_islands_are_on_below_float32_only(tiny_model_dir):
+    decoder = make_runner(tiny_model_dir).model
+    assert not (decoder.fp32_residual or decoder.fp32_rotary or decoder.fp32_logits)
+    decoder = make_runner(tiny_model_dir, dtype="bfloat16").model
+    assert decoder.fp32_residual and decoder.fp32_rotary and decoder.fp32_logits
+    assert decoder.cos_table32.dtype == torch.float32 and decoder._lm_head32.dtype == torch.float32

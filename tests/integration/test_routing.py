@@ -20,7 +20,7 @@ BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def llm(default_model_dir):
+def llm(tiny_model_dir):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
     from ray import serve
@@ -29,8 +29,8 @@ def llm(default_model_dir):
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 0})
-    args = {"model": default_model_dir, "num_replicas": 3, "routing_stats_period_s": 0.5,
-            "engine_args": {"num_threads": 1, "max_num_seqs": 32}, "router": {"policy": "prefix_aware"}}
+    args = {"model": tiny_model_dir, "num_replicas": 3, "routing_stats_period_s": 0.5,
+            "engine_args": {"num_threads": 1, "max_num_seqs": 32, "dtype": "float32"}, "router": {"policy": "prefix_aware"}}
     serve.run(build_app(args), name="iterserve", route_prefix=None)
     try:
         yield serve.get_deployment_handle("LLMServer", "iterserve")

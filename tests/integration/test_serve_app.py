@@ -26,19 +26,19 @@ ADMISSION = {"max_waiting_requests": 16, "batch_shed_fraction": 0.125, "retry_af
 
 
 @pytest.fixture(scope="module")
-def app(default_model_dir):
+def app(tiny_model_dir):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     from ray import serve
 
     from deployments.app import build_app
 
     base = start_local_serve(num_cpus=2)
-    args = {"model": default_model_dir, "served_model_name": MODEL, "num_replicas": 2, "api_key": KEY,
-            "engine_args": {"num_threads": 1, "max_num_seqs": 32}, "admission": ADMISSION}
+    args = {"model": tiny_model_dir, "served_model_name": MODEL, "num_replicas": 2, "api_key": KEY,
+            "engine_args": {"num_threads": 1, "max_num_seqs": 32, "dtype": "float32"}, "admission": ADMISSION}
     serve.run(build_app(args), name="iterserve", route_prefix="/")
     try:
         yield SimpleNamespace(base=base, serve=serve, build_app=build_app,
-                              model_dir=default_model_dir)
+                              model_dir=tiny_model_dir)
     finally:
         stop_local_serve()
 

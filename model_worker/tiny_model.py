@@ -1,30 +1,28 @@
-"""The embedded default model: a tiny random-weight Llama with a BPE tokenizer, built on demand.
+"""The tiny model: a random-weight Llama with a BPE tokenizer, built on demand (`--model tiny`).
 
-It lets the engine, its tests and its benchmarks run with no model download: the first call
-trains a byte-level BPE tokenizer on the corpus committed next to this file, initialises a small
-LlamaForCausalLM from a fixed seed, and saves both as an ordinary Hugging Face checkpoint. Every
-later call finds it in the cache. The checkpoint loads through the same loader as any real one.
+It lets the engine, its tests and its multi-replica benchmarks run fast with no model at all: the
+first call trains a byte-level BPE tokenizer on the corpus committed next to this file,
+initialises a small LlamaForCausalLM from a fixed seed, and saves both as an ordinary Hugging Face
+checkpoint. Every later call finds it in the cache. It loads through the same loader as any real
+checkpoint. Its weights are random, so its text is gibberish: the embedded default model, the one
+that answers, is SmolLM2 (model_worker/models.py).
 
 The cache subdirectory is named by a hash of the corpus and BUILDER_VERSION, so changing either
-builds a fresh checkpoint instead of reusing a stale one. Building happens in a temporary
-directory that is renamed into place under a file lock, so concurrent replicas never see or
-produce a half-written checkpoint.
+builds a fresh checkpoint instead of reusing a stale one (model_worker/model_cache.py builds it
+atomically, under a lock).
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from model_worker.model_cache import build_once, cache_root
 
 # Bump when anything below changes the built checkpoint (tokenizer, shapes, init, files).
 BUILDER_VERSION = 1
 CORPUS_PATH = Path(__file__).with_name("default_model_corpus.txt")
-CACHE_DIR_ENV = "ITERSERVE_CACHE_DIR"
 
 VOCAB_SIZE = 4096
 BOS_TOKEN = "<|begin_of_text|>"
@@ -48,45 +46,17 @@ MODEL_SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, 
 INIT_SEED = 0
 
 
-def default_model_path(cache_dir: str | None = None) -> str:
-    """Directory of the default checkpoint, building it first if it is not in the cache.
+def tiny_model_path(cache_dir: str | None = None) -> str:
+    """Directory of the tiny checkpoint, building it first if it is not in the cache.
 
     cache_dir: argument, else $ITERSERVE_CACHE_DIR, else ~/.cache/iterserve.
     """
-    root = Path(cache_dir or os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "iterserve")
-    target = root / f"default-llama-v{BUILDER_VERSION}-{_corpus_digest()[:12]}"
-    if _is_complete(target):
-        return str(target)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not _is_complete(target):  # another process may have built it while we waited
-                _build_atomically(target)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return str(target)
+    target = cache_root(cache_dir) / f"tiny-llama-v{BUILDER_VERSION}-{_corpus_digest()[:12]}"
+    return str(build_once(target, build_checkpoint))
 
 
 def _corpus_digest() -> str:
     return hashlib.sha256(CORPUS_PATH.read_bytes()).hexdigest()
-
-
-def _is_complete(path: Path) -> bool:
-    # The directory only ever appears by rename of a finished build, so this marker is enough.
-    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
-
-
-def _build_atomically(target: Path) -> None:
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        build_checkpoint(staging)
-        if target.exists():  # a leftover partial directory from a crashed build
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def build_checkpoint(out_dir: Path) -> None:
