@@ -29,7 +29,7 @@ demo: setup
 	$(PY) -m model_worker.cli demo
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 unit: setup
 	$(PY) -m pytest -q tests/unit

@@ -2,7 +2,7 @@
 
     python -m loadtest.bench_autoscaling [--quick] [--out bench_results/autoscaling]
 
-Replicas run the embedded model for real, with every engine step padded to --step-time seconds
+Replicas run the tiny model (`--model` for another) for real, with every engine step padded to --step-time seconds
 (EngineConfig.emulated_step_time_s): a GPU's step keeps the device busy, not the host, and with
 the padding a replica's capacity is set by its seats and steps, not by this machine's 2 cores, so
 4+ replicas can scale here. One replica's capacity C is 60% of its seat throughput,
@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--scale-down-delay", type=float, default=None, help="default 20 s; quick 15 s")
+    p.add_argument("--model", default="tiny",
+                   help="the model every replica serves (default: the tiny random model, so that replicas, "
+                        "not this machine's cores, set the pace)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "autoscaling")
     args = p.parse_args(argv)
@@ -86,6 +89,7 @@ def deploy(args: argparse.Namespace, max_replicas: int, warm_spares: int) -> Non
 
     serve.delete("iterserve")
     app_args = {
+        "model": args.model,
         "autoscaling": {"min_replicas": 1, "max_replicas": max_replicas, "warm_spares": warm_spares,
                         "target_queue_per_replica": args.max_num_seqs / 2, "ttft_slo_s": args.slo_ttft,
                         "scale_up_delay_s": 2.0, "scale_down_delay_s": args.scale_down_delay},
@@ -251,7 +255,7 @@ def model_load_s(base: str) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started_s = time.monotonic()
-    pool = token_pool(None)
+    pool = token_pool(args.model)
     c = capacity_per_s(args)
     low, high, tail = args.step_phases_s
     step = workload(args, pool, [(low, c), (high, 4 * c), (tail, c)], 0.0, args.seed)

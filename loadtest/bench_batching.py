@@ -2,7 +2,7 @@
 
     python -m loadtest.bench_batching [--quick] [--out bench_results/batching]
 
-Starts a local Ray and two copies of the iterserve application on the embedded model, one with
+Starts a local Ray and two copies of the iterserve application on the tiny model (`--model` for another), one with
 `batching: continuous` (at /continuous) and one with `batching: static` (at /static); only the
 one being measured has work at any moment. Then:
 
@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-ttft", type=float, default=1.0, help="p99 TTFT bound in seconds for the sweep")
     p.add_argument("--repeats", type=int, default=None, help="short-beside-long repeats (default 5; quick 3)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of each replica")
+    p.add_argument("--model", default="tiny",
+                   help="the model every replica serves (default: the tiny random model, so that replicas, "
+                        "not this machine's cores, set the pace)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "batching")
     args = p.parse_args(argv)
@@ -63,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def start_servers(threads: int) -> str:
+def start_servers(threads: int, model: str | None) -> str:
     """Local Ray, one HTTP proxy on a free loopback port, one application per batching mode."""
     from ray import serve
 
@@ -72,7 +75,7 @@ def start_servers(threads: int) -> str:
     base = start_local_serve()
     for mode in MODES:
         # The waiting limit is lifted: shedding would hide the queueing this benchmark measures.
-        args = {"engine_args": {"batching": mode, "num_threads": threads},
+        args = {"model": model, "engine_args": {"batching": mode, "num_threads": threads},
                 "admission": {"max_waiting_requests": 100_000}}
         serve.run(build_app(args), name=f"iterserve-{mode}", route_prefix=f"/{mode}")
     return base
@@ -131,8 +134,8 @@ def warm_up(base: str, pool: np.ndarray) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started_s = time.monotonic()
-    pool = token_pool(None)
-    base = start_servers(args.threads)
+    pool = token_pool(args.model)
+    base = start_servers(args.threads, args.model)
     try:
         print(f"servers up in {time.monotonic() - started_s:.0f}s at {base}/{{{','.join(MODES)}}}", flush=True)
         warm_up(base, pool)

@@ -2,8 +2,9 @@
 
     python -m loadtest.bench_chaos [--quick] [--minutes M] [--fault-every-s N] [--out bench_results/chaos]
 
-The script deploys the iterserve application (embedded model, 3 LLMServer replicas, engine steps
-padded to 40 ms so that a request lasts seconds, as on a loaded GPU) on a local Ray, and answers
+The script deploys the iterserve application (the tiny model by default, `--model`; 3 LLMServer
+replicas, engine steps padded to 40 ms so that a request lasts seconds, as on a loaded GPU) on a
+local Ray, and answers
 every request of a fixed pool once with no fault (the reference). Then for M minutes it sends
 streamed requests from that pool at a steady Poisson rate (half greedy, half seeded sampling, so
 each has one right answer), and every N seconds kills a random live replica or freezes another,
@@ -50,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--pool", type=int, default=48, help="distinct requests (each with a reference answer)")
     p.add_argument("--step-s", type=float, default=0.04, help="engine steps padded to this long")
+    p.add_argument("--model", default="tiny",
+                   help="the model every replica serves (default: the tiny random model, so that replicas, "
+                        "not this machine's cores, set the pace)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "chaos")
     args = p.parse_args(argv)
@@ -80,7 +84,7 @@ def deploy(args: argparse.Namespace) -> None:
 
     from deployments.app import build_app
 
-    app_args = {"num_replicas": args.replicas,
+    app_args = {"model": args.model, "num_replicas": args.replicas,
                 "engine_args": {"num_threads": 1, "max_num_seqs": 64, "emulated_step_time_s": args.step_s},
                 "admission": {"max_waiting_requests": 100_000}}
     serve.run(build_app(app_args), name=APP, route_prefix="/")

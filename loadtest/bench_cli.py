@@ -35,7 +35,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--allow-remote", action="store_true")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="`model` to send (default: the server's)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer for prompt ids (default: the embedded model's)")
+    p.add_argument("--tokenizer", default=None, help='tokenizer for prompt ids: a checkpoint or "tiny" (default: the embedded SmolLM2\'s)')
     p.add_argument("--workload", choices=WORKLOADS, default="synthetic")
     p.add_argument("--num-requests", type=int, default=100, help="requests (conversations for multi-turn)")
     p.add_argument("--rate", default="4", help="req/s, or a comma list to sweep; 'inf' sends all at once")
@@ -124,12 +124,9 @@ def build_workload(args: argparse.Namespace, pool: np.ndarray, rate: float | Non
 
 def token_pool(tokenizer: str | None) -> np.ndarray:
     """The tokenizer's non-special ids: prompts drawn from them are exactly as long as asked."""
-    from transformers import AutoTokenizer
+    from model_worker.runner.loader import load_tokenizer
 
-    if tokenizer is None:
-        from model_worker.default_model import default_model_path
-        tokenizer = default_model_path()
-    tok = AutoTokenizer.from_pretrained(tokenizer)
+    tok = load_tokenizer(tokenizer)  # None: the default model's
     return normal_token_ids(len(tok), tok.all_special_ids)
 
 

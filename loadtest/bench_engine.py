@@ -40,9 +40,10 @@ from loadtest.traces import (
     poisson_arrivals,
     sample_lengths,
 )
-from model_worker import EngineConfig, LLMEngine, SamplingParams, default_model_path
+from model_worker import EngineConfig, LLMEngine, SamplingParams, resolve_model
 
 SYSTEMS = ("continuous", "static", "hf_generate", "hf_continuous")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Untimed requests each system serves first, so lazy initialisation (kernels, allocator pools,
 # the HF manager's thread) is not billed to the first measured requests.
 NUM_WARMUP_REQUESTS = 4
@@ -53,7 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="40 requests (under 2 minutes in all)")
     p.add_argument("--num-requests", type=int, default=None, help="default 200, or 40 with --quick")
     p.add_argument("--trace", type=Path, default=None, help="Azure trace CSV (default: the conversation trace shipped with iterserve)")
-    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded tiny Llama)")
+    p.add_argument("--model", default=None,
+                   help='checkpoint dir, .gguf file or "tiny" (default: the embedded SmolLM2-135M-Instruct)')
+    p.add_argument("--dtypes", default="float32",
+                   help="comma-separated dtypes, each running every system (ours and transformers) in it: "
+                        "float32, bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--poisson-rate", type=float, default=None,
                    help="requests/s of the Poisson pattern (default 8)")
@@ -89,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.poisson_rate = 8.0
     args.systems = [s for s in args.systems.split(",") if s]
     args.patterns = [s for s in args.patterns.split(",") if s]
+    args.dtypes = [s for s in args.dtypes.split(",") if s]
+    if not args.dtypes or set(args.dtypes) - set(DTYPES):
+        p.error(f"--dtypes takes a comma-separated subset of {','.join(DTYPES)}")
     unknown = set(args.systems) - set(SYSTEMS) | set(args.patterns) - {"t0", "poisson"}
     if unknown:
         p.error(f"unknown systems or patterns: {sorted(unknown)}")
@@ -120,22 +128,25 @@ def warmup_workload(workload: list[BenchRequest]) -> list[BenchRequest]:
 class Runners:
     """Builds each system once and runs workloads through it."""
 
-    def __init__(self, args: argparse.Namespace, model_path: str) -> None:
+    def __init__(self, args: argparse.Namespace, model_path: str, dtype: str) -> None:
         torch.set_num_threads(args.threads)
         self.args = args
         self.model_path = model_path
+        self.dtype = dtype
         self._built: dict[str, Any] = {}
 
     def _engine(self, batching: str) -> LLMEngine:
         if batching not in self._built:
             self._built[batching] = LLMEngine(EngineConfig(
                 model=self.model_path, batching=batching, max_num_seqs=self.args.max_num_seqs,
-                max_num_batched_tokens=self.args.max_num_batched_tokens, num_threads=self.args.threads))
+                max_num_batched_tokens=self.args.max_num_batched_tokens, num_threads=self.args.threads,
+                dtype=self.dtype))
         return self._built[batching]
 
     def _hf_model(self) -> torch.nn.Module:
         if "hf" not in self._built:
-            self._built["hf"] = hf.load_hf_model(self.model_path, num_threads=self.args.threads)
+            self._built["hf"] = hf.load_hf_model(self.model_path, num_threads=self.args.threads,
+                                                 dtype=DTYPES[self.dtype])
         return self._built["hf"]
 
     def hf_cb_options(self) -> hf.HFContinuousOptions:
@@ -238,22 +249,15 @@ def run_systems(args: argparse.Namespace, runners: Runners, workloads: dict[str,
     return results, noise
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # psutil nags on CPU
-    started = time.perf_counter()
-    if args.model is None:
-        args.model = default_model_path()
-    tokenizer, vocab_size, pad_id = _load_tokenizer(args.model)
-    special_ids = list(tokenizer.all_special_ids)
-    workloads = build_workloads(args, vocab_size, special_ids)
-    runners = Runners(args, args.model)
-    results, noise = run_systems(args, runners, workloads, pad_id)
-
+def run_dtype(args: argparse.Namespace, runners: Runners, workloads: dict[str, list[BenchRequest]], pad_id: int,
+              vocab_size: int, special_ids: list[int]) -> dict[str, Any]:
+    """Every system in one dtype, through every pattern: its report."""
     report: dict[str, Any] = {}
+    print(f"\n=== {runners.dtype} ===", flush=True)
+    results, noise = run_systems(args, runners, workloads, pad_id)
     for pattern, by_system in results.items():
         label = "all at t=0" if pattern == "t0" else f"Poisson arrivals at {args.poisson_rate:g} req/s"
-        print(f"\n{len(workloads[pattern])} requests, {label}:\n{format_table(by_system)}")
+        print(f"\n{len(workloads[pattern])} requests, {label}, {runners.dtype}:\n{format_table(by_system)}")
         if pattern == "t0":
             report.update(headline(by_system))
         else:
@@ -264,11 +268,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report.update(runners.efficiency(normal_token_ids(vocab_size, special_ids)))
         print(f"\nour continuous mode, 32 running: forward / wall = {report['efficiency']:.3f} "
               f"over {report['efficiency_steps']} steps")
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # psutil nags on CPU
+    started = time.perf_counter()
+    args.model = resolve_model(args.model)
+    tokenizer, vocab_size, pad_id = _load_tokenizer(args.model)
+    special_ids = list(tokenizer.all_special_ids)
+    workloads = build_workloads(args, vocab_size, special_ids)
+    by_dtype: dict[str, dict[str, Any]] = {}
+    for dtype in args.dtypes:
+        by_dtype[dtype] = run_dtype(args, Runners(args, args.model, dtype), workloads, pad_id, vocab_size, special_ids)
+    # The first dtype's figures are the headline keys; every dtype's are under "by_dtype".
+    report: dict[str, Any] = {**by_dtype[args.dtypes[0]], "by_dtype": by_dtype}
     report["config"] = {
         "num_requests": args.num_requests, "poisson_rate": args.poisson_rate, "seed": args.seed,
         "threads": args.threads, "hf_batch_size": args.hf_batch_size, "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "hf_cb": asdict(runners.hf_cb_options()),
-        "model": args.model, "quick": args.quick, "repeats": args.repeats, "total_s": time.perf_counter() - started,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "hf_cb": asdict(Runners(args, args.model, args.dtypes[0]).hf_cb_options()), "model": args.model,
+        "dtypes": args.dtypes, "quick": args.quick, "repeats": args.repeats, "total_s": time.perf_counter() - started,
     }
     print(json.dumps(report))
     return report

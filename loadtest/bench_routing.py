@@ -2,9 +2,9 @@
 
     python -m loadtest.bench_routing [--quick] [--out bench_results/routing]
 
-For each policy the script deploys the iterserve application (embedded model, 3 LLMServer
-replicas, the policy in `router:`) on one local Ray, replays the same multi-turn workload whose
-conversations share K system prompts, and reads the replicas' prefix-cache counters from
+For each policy the script deploys the iterserve application (the tiny model by default,
+`--model`; 3 LLMServer replicas, the policy in `router:`) on one local Ray, replays the same
+multi-turn workload whose conversations share K system prompts, and reads the replicas' prefix-cache counters from
 /metrics. It also replays a workload with no sharing under the prefix-aware policy (does any
 replica get too much?), and times the policy alone with 64 replicas. The last line is one JSON
 object: per policy hit_rate, ttft_p50_s, ttft_p99_s, output_tokens_per_s; oracle_hit_rate (one
@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # alone makes every replica hold every prefix and evict them in turn, routing by prefix holds
     # each prefix on one replica. 0 sizes the cache from memory (in effect unbounded here).
     p.add_argument("--kv-blocks", type=int, default=320, help="KV blocks per replica (default 320; 0: from memory)")
+    p.add_argument("--model", default="tiny",
+                   help="the model every replica serves (default: the tiny random model, so that replicas, "
+                        "not this machine's cores, set the pace)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "routing")
     args = p.parse_args(argv)
@@ -141,7 +144,7 @@ def prefix_counters(base: str) -> tuple[dict[str, float], float, float]:
     return per_replica, hits, queries
 
 
-def deploy(policy: str, replicas: int, kv_blocks: int | None) -> None:
+def deploy(policy: str, replicas: int, kv_blocks: int | None, model: str | None) -> None:
     """A fresh application (new replicas, cold caches) with this routing policy."""
     from ray import serve
 
@@ -151,7 +154,7 @@ def deploy(policy: str, replicas: int, kv_blocks: int | None) -> None:
     engine_args: dict[str, Any] = {"num_threads": 1}
     if kv_blocks:
         engine_args["num_kv_blocks"] = kv_blocks
-    args = {"num_replicas": replicas, "router": {"policy": policy}, "routing_stats_period_s": 0.5,
+    args = {"model": model, "num_replicas": replicas, "router": {"policy": policy}, "routing_stats_period_s": 0.5,
             "engine_args": engine_args, "admission": {"max_waiting_requests": 100_000}}
     serve.run(build_app(args), name="iterserve", route_prefix="/")
 
@@ -172,13 +175,13 @@ def run_policy(base: str, policy: str, workload: list[BenchRequest]) -> tuple[di
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started_s = time.monotonic()
-    pool = token_pool(None)
+    pool = token_pool(args.model)
     shared, uniform = shared_workload(args, pool), uniform_workload(args, pool)
     base = start_local_serve()
     runs, policies = [], {}
     try:
         for policy in POLICIES:
-            deploy(policy, args.replicas, args.kv_blocks)
+            deploy(policy, args.replicas, args.kv_blocks, args.model)
             run, policies[policy] = run_policy(base, policy, shared)
             runs.append(run)
             if policy == "prefix_aware":

@@ -37,16 +37,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=100)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--settle-s", type=float, default=60.0, help="how long the replicas get to become idle")
+    p.add_argument("--model", default="tiny",
+                   help="the model every replica serves (default: the tiny random model, so that replicas, "
+                        "not this machine's cores, set the pace)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
-def deploy(replicas: int) -> None:
+def deploy(replicas: int, model: str | None) -> None:
     from ray import serve
 
     from deployments.app import build_app
 
-    args = {"num_replicas": replicas, "engine_args": {"num_threads": 1, "max_num_seqs": 128},
+    args = {"model": model, "num_replicas": replicas, "engine_args": {"num_threads": 1, "max_num_seqs": 128},
             "admission": {"max_waiting_requests": 100_000}, "ingress_admission": {"max_waiting_requests": 100_000}}
     serve.run(build_app(args), name=APP, route_prefix="/")
 
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     started_s = time.monotonic()
     base = start_local_serve()
     try:
-        deploy(args.replicas)
+        deploy(args.replicas, args.model)
         where = asyncio.run(storm(base, args))
         storm_s = time.monotonic() - started_s
         settle_s, stats = settle(args.settle_s)

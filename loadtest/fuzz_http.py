@@ -228,16 +228,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schemathesis", action="store_true", help="also run schemathesis against /openapi.json")
     p.add_argument("--schemathesis-examples", type=int, default=100)
     p.add_argument("--url", default=None, help="fuzz a running server instead of deploying one (loopback only)")
+    p.add_argument("--model", default="tiny", help="the model of the deployment it fuzzes (default: the tiny one)")
     return p.parse_args(argv)
 
 
-def deploy() -> None:
+def deploy(model: str | None) -> None:
     from ray import serve
 
     from deployments.app import build_app
 
     engine_args = {"num_threads": 1, "max_model_len": FUZZ_MAX_MODEL_LEN}
-    serve.run(build_app({"num_replicas": 2, "engine_args": engine_args, "request_body_timeout_s": 5.0}),
+    serve.run(build_app({"model": model, "num_replicas": 2, "engine_args": engine_args,
+                         "request_body_timeout_s": 5.0}),
               name=APP, route_prefix="/")
 
 
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.local_serve import start_local_serve, stop_local_serve
 
         base = start_local_serve()
-        deploy()
+        deploy(args.model)
     else:
         base = args.url.rstrip("/")
     try:

@@ -47,9 +47,10 @@ class HFContinuousOptions:
     max_requests_per_batch: int = 32
 
 
-def load_hf_model(path: str, attn_implementation: str = "sdpa", num_threads: int = 2) -> torch.nn.Module:
+def load_hf_model(path: str, attn_implementation: str = "sdpa", num_threads: int = 2,
+                  dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.set_num_threads(num_threads)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval()
 
 

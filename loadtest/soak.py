@@ -2,7 +2,7 @@
 
     python -m loadtest.soak [--minutes 10] [--load 0.8] [--replicas 2] [--out bench_results/soak]
 
-The script deploys the iterserve application (embedded model, `--replicas` LLMServer replicas) on
+The script deploys the iterserve application (the tiny model by default, `--model`; `--replicas` LLMServer replicas) on
 a local Ray, measures capacity (completed requests per second with 64 requests always in flight,
 for 60 s), then sends Poisson arrivals at `--load` x capacity for `--minutes`. Every 10 s it reads
 the resident memory (VmRSS) of each LLMServer replica, the ingress, the HTTP proxy and the Serve
@@ -45,17 +45,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load", type=float, default=0.8, help="share of measured capacity to offer")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--capacity-s", type=float, default=60.0, help="seconds of the capacity measurement")
+    p.add_argument("--model", default="tiny",
+                   help="the model every replica serves (default: the tiny random model, so that replicas, "
+                        "not this machine's cores, set the pace)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "soak")
     return p.parse_args(argv)
 
 
-def deploy(replicas: int) -> None:
+def deploy(replicas: int, model: str | None) -> None:
     from ray import serve
 
     from deployments.app import build_app
 
-    app_args = {"num_replicas": replicas, "engine_args": {"num_threads": 1, "max_num_seqs": 64},
+    app_args = {"model": model, "num_replicas": replicas, "engine_args": {"num_threads": 1, "max_num_seqs": 64},
                 "admission": {"max_waiting_requests": 100_000}}
     serve.run(build_app(app_args), name=APP, route_prefix="/")
 
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = request_pool(48, args.seed)
     base = start_local_serve()
     try:
-        deploy(args.replicas)
+        deploy(args.replicas, args.model)
         faults.wait_for_replicas(APP, args.replicas, 120)
         tracked = processes(APP)
         measured = asyncio.run(capacity(base, pool, args.capacity_s))
