@@ -10,7 +10,7 @@ and call it from Python (a Ray driver on the same cluster):
     from ray import serve
     h = serve.get_app_handle("handle_example")
     h.complete.remote("The scheduler").result()
-    for piece in h.options(stream=True).stream_answer.remote("What is a KV cache?"):
+    for piece in h.options(stream=True).stream_answer.remote("What is the capital of France?"):
         print(piece, end="")
 
 The handle methods take the same bodies as the HTTP API (as dicts) and return the same response
