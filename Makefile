@@ -23,10 +23,10 @@ setup: $(VENV)/.installed
 
 # The OpenAI-compatible server on the embedded default model, at http://127.0.0.1:8000/v1.
 run: setup
-	$(PY) -m model_worker.cli serve $(ARGS)
+	$(PY) -m iterserve serve $(ARGS)
 
 demo: setup
-	$(PY) -m model_worker.cli demo
+	$(PY) -m iterserve demo
 
 test: setup
 	$(PY) -m pytest -q --durations=15 tests

@@ -222,7 +222,7 @@ def test_iterserve_bench_against_the_real_server(app, tmp_path):
     """The load generator's SSE client and the bench CLI end to end, on the application above."""
     import json
 
-    from model_worker.cli import main
+    from iterserve.cli import main
 
     out = tmp_path / "bench"
     rc = main(["bench", "--url", app.base, "--api-key", KEY, "--tokenizer", app.model_dir, "--workload", "synthetic",

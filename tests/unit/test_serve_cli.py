@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from deployments import serve_cli
+from iterserve import serve_cli
 
 
 def test_the_ready_banner_never_prints_the_api_key(capsys):

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--seed", type=int, default=None)
-    from deployments import serve_cli
+    from iterserve import serve_cli
     from loadtest import bench_cli
 
     serve_cli.add_parser(sub)

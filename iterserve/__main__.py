@@ -1,0 +1,5 @@
+import sys
+
+from iterserve.cli import main
+
+sys.exit(main())
