@@ -224,9 +224,6 @@ class AsyncLLMEngine:
         request is live."""
         return await self._call(self.engine.reset_prefix_cache)
 
-    async def num_leading_cached_blocks(self, block_hashes: Sequence[int]) -> int:
-        return await self._call(lambda: self.engine.num_leading_cached_blocks(block_hashes))
-
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stopped = True
         self._wakeup.set()

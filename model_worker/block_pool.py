@@ -55,15 +55,6 @@ class BlockPool:
     def contains(self, block_hash: int) -> bool:
         return block_hash in self._cached
 
-    def num_leading_cached(self, block_hashes: Sequence[int]) -> int:
-        """How many leading blocks of this hash chain the pool holds (the router's question)."""
-        count = 0
-        for block_hash in block_hashes:
-            if block_hash not in self._cached:
-                break
-            count += 1
-        return count
-
     def cached_hashes(self) -> list[int]:
         return list(self._cached)
 

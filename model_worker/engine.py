@@ -318,10 +318,6 @@ class LLMEngine:
 
     # ---- observation --------------------------------------------------------------------------
 
-    def num_leading_cached_blocks(self, block_hashes: Sequence[int]) -> int:
-        """How many leading blocks of this hash chain this replica's prefix cache holds."""
-        return self.scheduler.kv.pool.num_leading_cached(block_hashes)
-
     def stats(self, include_block_hashes: bool = False) -> dict[str, Any]:
         scheduler = self.scheduler
         pool = scheduler.kv.pool

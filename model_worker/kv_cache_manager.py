@@ -98,9 +98,6 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self._block_ids[request_id]
 
-    def num_owned_blocks(self, request_id: str) -> int:
-        return len(self._blocks.get(request_id, ()))
-
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks

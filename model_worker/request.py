@@ -110,10 +110,6 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def max_total_tokens(self) -> int:
-        return len(self.prompt_token_ids) + self.sampling_params.max_tokens
-
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without building the concatenation."""
         num_prompt = len(self.prompt_token_ids)

@@ -156,15 +156,6 @@ class DecoderWeights:
     norm: torch.Tensor  # (hidden,)
     lm_head: torch.Tensor  # (vocab, hidden); the same tensor as embed_tokens when tied
 
-    def num_bytes(self) -> int:
-        tensors = [self.embed_tokens, self.norm]
-        if self.lm_head.data_ptr() != self.embed_tokens.data_ptr():
-            tensors.append(self.lm_head)
-        for layer in self.layers:
-            tensors += [t for t in (layer.input_norm, layer.qkv_proj, layer.qkv_bias, layer.o_proj, layer.o_bias,
-                                    layer.post_attention_norm, layer.gate_up_proj, layer.down_proj) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
 
 class LlamaDecoder:
     """Functional decoder: plain tensors and torch ops, no nn.Module bookkeeping in the hot loop.

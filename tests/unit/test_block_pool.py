@@ -76,12 +76,3 @@ def test_hashes_are_stable_across_processes():
     assert len(outs) == 1
     assert outs.pop().strip() == str(hash_prompt_blocks(list(range(64)), 16, "k"))
 
-
-def test_router_question_counts_leading_blocks_only():
-    pool = BlockPool(8)
-    hashes = hash_prompt_blocks(list(range(32)), 4)
-    blocks = pool.allocate(3)
-    for block, h, i in zip(blocks, (hashes[0], hashes[1], hashes[3]), (0, 1, 3)):
-        pool.cache(block, h, list(range(i * 4, i * 4 + 4)))
-    assert pool.num_leading_cached(hashes) == 2
-    assert pool.num_leading_cached(hashes[2:]) == 0
