@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from contracts import LoadReport, RoutingReport
 from deployments.errors import APIError, internal, invalid, not_ready, overloaded
 from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, TTFT_BUCKETS_S, Histogram,
                                  family_dict)
@@ -189,7 +190,8 @@ class LLMServer:
         try:
             return self.engine.add_request(request.prompt_token_ids, request.params, request_id=request.request_id,
                                            priority=request.priority, cache_key=request.cache_key,
-                                           resumed_token_ids=request.resumed_token_ids)
+                                           resumed_token_ids=request.resumed_token_ids,
+                                           block_hashes=request.block_hashes)
         except RequestRejected as exc:
             raise invalid(exc.param, str(exc), exc.code) from None
         except SamplingParamsError as exc:
@@ -242,28 +244,32 @@ class LLMServer:
                 "load_times_s": dict(self.load_times_s), "pid": os.getpid()}
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Replica stats for the request router, polled by the Serve controller: load, free KV
-        blocks and every block hash the prefix cache holds; `report_seq` tells a new report."""
+        """The RoutingReport for the request routers, polled by the Serve controller: load, free
+        KV blocks and every block hash the prefix cache holds; `report_seq` tells a new report."""
         self._report_seq += 1
         if not self.engine.is_running:  # routers stop choosing it at once, before Serve replaces it
-            return {"replica": self.replica_id, "report_seq": self._report_seq, "engine_running": False}
+            return RoutingReport(self.replica_id, self._report_seq, engine_running=False).to_dict()
         stats = await self.engine.stats(include_block_hashes=True)
-        return {"replica": self.replica_id, "report_seq": self._report_seq, "engine_running": True,
-                **{k: v for k, v in stats.items() if not isinstance(v, dict)}}
+        return RoutingReport(
+            replica_id=self.replica_id, report_seq=self._report_seq, engine_running=True,
+            num_queued=stats["num_waiting"], num_running=stats["num_running"],
+            num_free_kv_blocks=stats["num_free_kv_blocks"], num_total_kv_blocks=stats["num_total_kv_blocks"],
+            block_size=stats["block_size"], cached_block_hashes=tuple(stats["cached_block_hashes"]),
+        ).to_dict()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """What the autoscaler (autoscaler/serve_policy.py) scales on: the queue (admitted requests
-        without a first token, and the oldest one's age), running requests, TTFT p90 over the last
-        ttft_window_s (absent when no first token came in it), KV usage. Numbers only: Serve drops
-        a replica's custom metrics if any value is not int or float."""
+        """The LoadReport the autoscaler (autoscaler/serve_policy.py) scales on: the queue
+        (admitted requests without a first token, and the oldest one's age), running requests,
+        TTFT p90 over the last ttft_window_s (absent when no first token came in it), KV usage.
+        The engine's own TTFT percentiles cover its last N requests, however old: not used."""
         stats = await self.engine.stats()
-        # The engine's own TTFT percentiles cover its last N requests, however old: left out.
-        numbers = {k: v for k, v in stats.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("ttft_p")}
-        numbers.update(self.queue_stats())
-        numbers["num_shed"] = sum(self.num_shed.values())
-        numbers["num_seats"] = self.num_seats
-        return numbers
+        queue = self.queue_stats()
+        return LoadReport(
+            num_waiting_first_token=int(queue["num_waiting_first_token"]), oldest_wait_s=queue["oldest_wait_s"],
+            num_running=stats["num_running"], kv_usage=stats["kv_usage"], num_seats=self.num_seats,
+            num_shed=sum(self.num_shed.values()), num_free_kv_blocks=stats["num_free_kv_blocks"],
+            num_total_kv_blocks=stats["num_total_kv_blocks"], ttft_p90_s=queue.get("ttft_p90_s"),
+        ).to_metrics()
 
     def queue_stats(self) -> dict[str, float]:
         now_s = self.clock()

@@ -163,10 +163,12 @@ class OpenAIService:
         requests = []
         for index, token_ids in enumerate(prompts):
             max_tokens = self._max_tokens(parsed, len(token_ids), param)
-            requests.append(GenerateRequest(
-                prompt_token_ids=token_ids, params=parsed.sampling_params(max_tokens),
-                block_hashes=hash_prompt_blocks(token_ids, self.info.block_size),
-                priority=parsed.priority, request_id=f"{parsed.request_id}-{index}"))
+            request = GenerateRequest(prompt_token_ids=token_ids, params=parsed.sampling_params(max_tokens),
+                                      priority=parsed.priority, request_id=f"{parsed.request_id}-{index}")
+            # Hashed once, here, with the request's cache key: the router scores replicas by these,
+            # and the replica's cache uses them as sent (LLMEngine.check_block_hashes).
+            request.block_hashes = hash_prompt_blocks(token_ids, self.info.block_size, request.cache_key)
+            requests.append(request)
         return requests
 
     def _encode(self, prompt: str | list[int]) -> list[int]:

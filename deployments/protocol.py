@@ -1,8 +1,10 @@
 """What the ingress sends to an LLMServer replica and what comes back. Pure Python.
 
 One GenerateRequest carries everything a replica and a request router need: the token ids (the
-ingress tokenizes once), the prompt's chained block hashes (computed with the engine's own
-`hash_prompt_blocks`, so router and cache can never disagree), sampling parameters and priority.
+ingress tokenizes once), the prompt's chained block hashes (computed once, by the ingress, with
+the engine's own `hash_prompt_blocks` and the request's cache key; the router scores by them and
+the replica's cache uses them as sent, after `LLMEngine.check_block_hashes`), sampling parameters
+and priority.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from model_worker.sampling_params import SamplingParams
 class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    # Chained hashes of the prompt's full blocks, in order (model_worker.hashing.hash_prompt_blocks).
+    # Chained hashes of the prompt's full blocks, in order, with cache_key
+    # (model_worker.hashing.hash_prompt_blocks(prompt_token_ids, block_size, cache_key)).
     block_hashes: list[int] = field(default_factory=list)
     # "interactive" (default) or "batch"; batch is shed first under overload.
     priority: str = "interactive"

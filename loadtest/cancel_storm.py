@@ -22,10 +22,10 @@ import socket
 import sys
 import time
 from collections import Counter
-from typing import Any
 
 import httpx
 
+from contracts import RoutingReport
 from loadtest.local_serve import start_local_serve, stop_local_serve
 
 APP = "iterserve"
@@ -107,20 +107,20 @@ async def storm(base: str, args: argparse.Namespace) -> Counter:
     return where
 
 
-def replica_stats(app: str = APP) -> list[dict[str, Any]]:
+def replica_stats(app: str = APP) -> list[RoutingReport]:
     from ray import serve
 
     handle = serve.get_deployment_handle("LLMServer", app)
-    return handle.broadcast("record_routing_stats").results(timeout_s=10)
+    return [RoutingReport.from_dict(r) for r in handle.broadcast("record_routing_stats").results(timeout_s=10)]
 
 
-def settle(deadline_s: float, app: str = APP) -> tuple[float | None, list[dict[str, Any]]]:
+def settle(deadline_s: float, app: str = APP) -> tuple[float | None, list[RoutingReport]]:
     """Seconds until every replica has nothing running or waiting and every KV block free (None
     if that did not happen within deadline_s), and their last stats."""
     started_s = time.monotonic()
     while True:
         stats = replica_stats(app)
-        if all(s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_kv_blocks"] == s["num_total_kv_blocks"]
+        if all(s.num_running == 0 and s.num_queued == 0 and s.num_free_kv_blocks == s.num_total_kv_blocks
                for s in stats):
             return time.monotonic() - started_s, stats
         if time.monotonic() - started_s > deadline_s:
@@ -155,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "streams": args.streams, "cut_at": dict(sorted(where.items())), "storm_s": round(storm_s, 1),
         "settle_s": None if settle_s is None else round(settle_s, 2),
-        "replicas": [{"replica": s["replica"], "num_running": s["num_running"], "num_waiting": s["num_waiting"],
-                      "kv_blocks_in_use": s["num_total_kv_blocks"] - s["num_free_kv_blocks"],
-                      "aborted": aborted.get(s["replica"])} for s in stats],
+        "replicas": [{"replica": s.replica_id, "num_running": s.num_running, "num_queued": s.num_queued,
+                      "kv_blocks_in_use": s.num_total_kv_blocks - s.num_free_kv_blocks,
+                      "aborted": aborted.get(s.replica_id)} for s in stats],
         "request_after": after.status_code, "health_after": health.status_code,
     }
     summary["idle"] = settle_s is not None and all(r["kv_blocks_in_use"] == 0 for r in summary["replicas"])

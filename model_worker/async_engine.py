@@ -162,12 +162,13 @@ class AsyncLLMEngine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: Priority | str | int = Priority.INTERACTIVE,
-                    cache_key: str | None = None, resumed_token_ids: Sequence[int] = ()) -> RequestStream:
+                    cache_key: str | None = None, resumed_token_ids: Sequence[int] = (),
+                    block_hashes: Sequence[int] | None = None) -> RequestStream:
         """Validate and queue a request; iterate the returned stream for its outputs.
 
         Everything that can fail for a bad request (tokenizing, token ids, length, priority,
-        a duplicate id) raises here, before anything is queued. Call from the event loop.
-        `resumed_token_ids`: see LLMEngine.add_request.
+        block hashes, a duplicate id) raises here, before anything is queued. Call from the event
+        loop. `resumed_token_ids`, `block_hashes`: see LLMEngine.add_request.
         """
         if self._error is not None or self._stopped:
             raise EngineDeadError("the engine is not running") from self._error
@@ -175,6 +176,7 @@ class AsyncLLMEngine:
         params = params if params is not None else SamplingParams()
         token_ids = self.engine.tokenize(prompt)
         resumed = self.engine.check_resumed(resumed_token_ids, params)
+        hashes = self.engine.check_block_hashes(block_hashes, token_ids, cache_key)
         self.engine.scheduler.check_fits(len(token_ids), params.max_tokens)
         priority = Priority.parse(priority)
         stream = RequestStream(request_id, asyncio.get_running_loop(), self)
@@ -188,7 +190,7 @@ class AsyncLLMEngine:
         def add() -> None:
             try:
                 self.engine.add_request(request_id, token_ids, params, priority, arrival_time=arrival_s,
-                                        cache_key=cache_key, resumed_token_ids=resumed)
+                                        cache_key=cache_key, resumed_token_ids=resumed, block_hashes=hashes)
             except Exception as exc:  # a rejection here is delivered to the stream, not the loop
                 self._deliver_error(request_id, exc)
 
@@ -197,11 +199,11 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: Priority | str | int = Priority.INTERACTIVE,
-                       cache_key: str | None = None, resumed_token_ids: Sequence[int] = ()
-                       ) -> AsyncIterator[RequestOutput]:
+                       cache_key: str | None = None, resumed_token_ids: Sequence[int] = (),
+                       block_hashes: Sequence[int] | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Leaving the loop early (break, cancel) aborts it."""
         stream = self.add_request(prompt, params, request_id=request_id, priority=priority, cache_key=cache_key,
-                                  resumed_token_ids=resumed_token_ids)
+                                  resumed_token_ids=resumed_token_ids, block_hashes=block_hashes)
         try:
             async for out in stream:
                 yield out

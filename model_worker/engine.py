@@ -21,6 +21,7 @@ from model_worker.batch import ModelRunner, ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.detokenizer import IncrementalDetokenizer
 from model_worker.fault_isolation import IsolatedStep, execute_isolating
+from model_worker.hashing import ROOT_HASH, hash_block_tokens
 from model_worker.outputs import RequestOutput
 from model_worker.request import Priority, Request, RequestStatus, RequestTimings
 from model_worker.sampling_params import SamplingParams
@@ -97,8 +98,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     priority: Priority | str | int = Priority.INTERACTIVE, arrival_time: float | None = None,
-                    cache_key: str | None = None, resumed_token_ids: Sequence[int] = ()) -> Request:
+                    cache_key: str | None = None, resumed_token_ids: Sequence[int] = (),
+                    block_hashes: Sequence[int] | None = None) -> Request:
         """Queue a request; raise RequestRejected (a ValueError) if it can never be served.
+
+        `block_hashes` are the prompt's chained block hashes as the caller computed them (the
+        ingress does, with the cache key, for its router): the prefix cache uses them as sent,
+        after check_block_hashes, instead of hashing the prompt again.
 
         `resumed_token_ids` are output tokens another engine already produced for this request (the
         ingress migrates a request whose replica died): it continues after them exactly as a
@@ -110,14 +116,17 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise RequestRejected("params must be a SamplingParams", param="params")
         resumed = self.check_resumed(resumed_token_ids, params)
+        prompt_token_ids = self.tokenize(prompt)
+        hashes = self.check_block_hashes(block_hashes, prompt_token_ids, cache_key)
         request = Request(
             request_id=request_id,
-            prompt_token_ids=self.tokenize(prompt),
+            prompt_token_ids=prompt_token_ids,
             sampling_params=params,
             priority=Priority.parse(priority),
             timings=RequestTimings(arrival_s=self.clock() if arrival_time is None else arrival_time),
             cache_key=cache_key,
             output_token_ids=resumed,
+            block_hashes=hashes,
         )
         self.scheduler.add_request(request)
         if self.tokenizer is not None:
@@ -139,6 +148,29 @@ class LLMEngine:
             raise RequestRejected(f"{len(resumed)} resumed tokens leave nothing to generate within max_tokens "
                                   f"{params.max_tokens}", param="resumed_token_ids")
         return resumed
+
+    def check_block_hashes(self, block_hashes: Sequence[int] | None, prompt_token_ids: Sequence[int],
+                           cache_key: str | None) -> list[int]:
+        """Block hashes a caller sent, checked before the cache trusts them: one int per full
+        block of the prompt, and the first equal to this engine's own hash of the first block (a
+        caller hashing with another block size or cache key differs there). [] when none came or
+        prefix caching is off: the engine hashes the prompt itself."""
+        config = self.scheduler.config
+        if not block_hashes or not config.enable_prefix_caching:
+            return []
+        if not isinstance(block_hashes, (list, tuple)) or any(type(h) is not int for h in block_hashes):
+            raise RequestRejected("block_hashes must be a list of ints", param="block_hashes")
+        size = config.block_size
+        num_full = len(prompt_token_ids) // size
+        if len(block_hashes) != num_full:
+            raise RequestRejected(f"{len(block_hashes)} block hashes for a prompt of {num_full} full blocks of {size} "
+                                  "tokens: the caller hashed with another block size", param="block_hashes",
+                                  code="invalid_block_hashes")
+        if block_hashes[0] != hash_block_tokens(ROOT_HASH, prompt_token_ids[:size], cache_key):
+            raise RequestRejected("block_hashes do not match this engine's hash of the prompt's first block: the "
+                                  "caller hashed with another block size or cache_key", param="block_hashes",
+                                  code="invalid_block_hashes")
+        return list(block_hashes)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in any state; its blocks are free when this returns."""

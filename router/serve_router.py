@@ -21,6 +21,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from contracts import RoutingReport
 from router.policy import ReplicaSnapshot, RouterConfig, make_policy
 from router.prefix_index import PrefixIndex
 
@@ -82,25 +83,27 @@ class PrefixAwareRouter(RequestRouter):
     def _fold_reports(self, by_id: dict[str, RunningReplica], now_s: float) -> None:
         """Take in each replica's newest report once; forget replicas that are gone."""
         for replica_id, replica in by_id.items():
-            stats = replica.routing_stats or {}
-            seq = stats.get("report_seq")
-            if seq is not None and self._report_seq.get(replica_id) != seq:
-                self._report_seq[replica_id] = seq
-                self.index.update(replica_id, stats.get("cached_block_hashes", ()), now_s)
+            report = _report(replica)
+            if report is not None and self._report_seq.get(replica_id) != report.report_seq:
+                self._report_seq[replica_id] = report.report_seq
+                self.index.update(replica_id, report.cached_block_hashes, now_s)
         if self.index.replica_ids - set(by_id):
             self.index.retain(by_id)
             self._report_seq = {k: v for k, v in self._report_seq.items() if k in by_id}
 
     def _snapshot(self, replica_id: str, replica: RunningReplica, now_s: float) -> ReplicaSnapshot:
-        stats = replica.routing_stats or {}
+        """Load is Serve's count of requests sent to the replica and not finished (fresh, kept by
+        every caller's router); before Serve has one, the replica's last report."""
+        report = _report(replica) or RoutingReport(replica_id, 0)
         ongoing = self.replica_queue_len_cache.get(replica.replica_id)
-        load = ongoing if ongoing is not None else stats.get("num_waiting", 0) + stats.get("num_running", 0)
+        load = ongoing if ongoing is not None else report.num_queued + report.num_running
         unsent = self._unsent.get(replica_id)
         while unsent and unsent[0] < now_s - UNSENT_TTL_S:  # chosen on a try that was not sent
             unsent.popleft()
         load += len(unsent or ())
-        total = stats.get("num_total_kv_blocks", 0)
-        return ReplicaSnapshot(replica_id, int(load), int(stats.get("num_free_kv_blocks", total)), int(total))
+        if report.report_seq == 0:  # no report yet: capacity unknown, assume it is all free
+            return ReplicaSnapshot(replica_id, int(load), 0, 0)
+        return ReplicaSnapshot(replica_id, int(load), report.num_free_kv_blocks, report.num_total_kv_blocks)
 
 
 def _eligible(by_id: dict[str, RunningReplica], request: Any) -> list[str]:
@@ -108,15 +111,20 @@ def _eligible(by_id: dict[str, RunningReplica], request: Any) -> list[str]:
     one whose last report says its engine stopped. If that leaves none, all: a try beats a wait."""
     avoid = set(getattr(request, "avoid_replica_ids", None) or ())
     eligible = [rid for rid, r in by_id.items()
-                if rid not in avoid and (r.routing_stats or {}).get("engine_running", True)]
+                if rid not in avoid and getattr(_report(r), "engine_running", True)]
     return eligible or list(by_id)
 
 
+def _report(replica: RunningReplica) -> RoutingReport | None:
+    return RoutingReport.from_dict(replica.routing_stats)
+
+
 def _blocks_needed(request: Any, replicas: list[RunningReplica]) -> int:
-    """KV blocks the request will hold at its longest: prompt plus max_tokens."""
+    """KV blocks the request will hold at its longest: prompt plus max_tokens, in the block size
+    the replicas report (0, no constraint, before any has reported)."""
     params = getattr(request, "params", None)
     prompt = getattr(request, "prompt_token_ids", None)
-    if params is None or prompt is None:
+    block_size = next((report.block_size for report in map(_report, replicas) if report and report.block_size), 0)
+    if params is None or prompt is None or not block_size:
         return 0
-    block_size = next((r.routing_stats.get("block_size") for r in replicas if r.routing_stats), None) or 16
     return -(-(len(prompt) + params.max_tokens) // block_size)

@@ -39,7 +39,7 @@ def test_hooks_report_engine_state_in_the_types_serve_accepts():
     assert all(type(v) in (int, float) for v in autoscaling.values()), autoscaling
     assert autoscaling["num_waiting_first_token"] == 1 and autoscaling["num_total_kv_blocks"] == 64
     assert autoscaling["num_seats"] == EngineConfig().max_num_seqs
-    assert routing["replica"] == "r0" and routing["block_size"] == 4 and routing["num_total_kv_blocks"] == 64
+    assert routing["replica_id"] == "r0" and routing["block_size"] == 4 and routing["num_total_kv_blocks"] == 64
 
 
 def test_autoscaling_stats_see_the_queue_age_and_a_windowed_ttft_p90():
@@ -149,3 +149,26 @@ def test_a_consumer_that_fell_behind_gets_the_backlog_as_one_chunk():
     assert admitted.token_ids == [] and admitted.num_prompt_tokens == 5
     assert len(chunks) == 1 and chunks[0].finished and chunks[0].finish_reason == "length"
     assert chunks[0].token_ids == tokens and chunks[0].num_output_tokens == 20
+
+
+def test_block_hashes_from_a_caller_with_another_block_size_are_a_400():
+    from deployments.errors import APIError
+    from model_worker.hashing import hash_prompt_blocks
+
+    server = make_server()
+    prompt = list(range(1, 17))
+
+    async def main():
+        with pytest.raises(APIError) as caught:
+            await server.generate(GenerateRequest(prompt, SamplingParams(max_tokens=2),
+                                                  block_hashes=hash_prompt_blocks(prompt, 8)))
+        whole = await server.generate(GenerateRequest(prompt, SamplingParams(max_tokens=2),
+                                                      block_hashes=hash_prompt_blocks(prompt, 4)))
+        return caught.value, whole
+
+    try:
+        error, whole = asyncio.run(main())
+    finally:
+        server.shutdown()
+    assert (error.status, error.code, error.param) == (400, "invalid_block_hashes", "block_hashes")
+    assert whole.finished and len(whole.token_ids) == 2

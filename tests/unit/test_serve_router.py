@@ -3,27 +3,36 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 from deployments.protocol import GenerateRequest
 from model_worker import SamplingParams
+from router import serve_router
 from router.serve_router import PrefixAwareRouter
 
 
 class FakeQueueLens:
+    """Serve's per-replica count of requests sent and not finished; None: not known yet."""
+
+    def __init__(self, lens: dict[str, int] | None = None) -> None:
+        self.lens = lens or {}
+
     def get(self, replica_id):
-        return None
+        return self.lens.get(replica_id.unique_id)
 
 
-def make_router(policy: str = "pow2") -> PrefixAwareRouter:
+def make_router(policy: str = "pow2", queue_lens: dict[str, int] | None = None) -> PrefixAwareRouter:
     router = PrefixAwareRouter.__new__(PrefixAwareRouter)
-    router._replica_queue_len_cache = FakeQueueLens()
+    router._replica_queue_len_cache = FakeQueueLens(queue_lens)
+    router._use_replica_queue_len_cache = False  # Serve's own bookkeeping on send, not under test
     router.initialize_state(policy=policy, seed=0)
     return router
 
 
 def replica(unique_id: str, **stats) -> SimpleNamespace:
-    report = {"report_seq": 1, "num_total_kv_blocks": 100, "num_free_kv_blocks": 100, "block_size": 16, **stats}
+    report = {"replica_id": unique_id, "report_seq": 1, "num_total_kv_blocks": 100, "num_free_kv_blocks": 100,
+              "block_size": 16, **stats}
     return SimpleNamespace(replica_id=SimpleNamespace(unique_id=unique_id), routing_stats=report)
 
 
@@ -59,3 +68,73 @@ def test_the_other_eligible_replicas_are_serves_fallback():
                     GenerateRequest([1, 2], SamplingParams(max_tokens=2), avoid_replica_ids=["b"]))
     assert len(ranked) == 2 and len(ranked[0]) == 1
     assert {r.replica_id.unique_id for r in ranked[0] + ranked[1]} == {"a", "c"}
+
+
+def ids(ranked) -> list[list[str]]:
+    return [[r.replica_id.unique_id for r in group] for group in ranked]
+
+
+def test_a_burst_of_choices_spreads_before_serve_counts_the_sends():
+    """Serve counts a request against a replica only once it is sent; until then the router counts
+    its own choices, so a burst does not pile onto the replica that looked idle."""
+    router = make_router("prefix_aware")
+    replicas = [replica("a"), replica("b")]
+    chosen = [ids(choose(router, replicas, GenerateRequest([1, 2], SamplingParams(max_tokens=2))))[0][0]
+              for _ in range(10)]
+    assert sorted(chosen.count(r) for r in "ab") == [5, 5], chosen
+
+
+def test_a_sent_choice_stops_counting_and_an_unsent_one_expires(monkeypatch):
+    router = make_router("prefix_aware")
+    replicas = [replica("a"), replica("b")]
+    first = ids(choose(router, replicas, GenerateRequest([1, 2], SamplingParams(max_tokens=2))))[0][0]
+    assert len(router._unsent[first]) == 1
+    router.on_send_request(SimpleNamespace(unique_id=first))
+    assert not router._unsent[first]
+    # A choice no send followed (a retry chose again) counts for UNSENT_TTL_S, then not at all.
+    second = ids(choose(router, replicas, GenerateRequest([1, 2], SamplingParams(max_tokens=2))))[0][0]
+    later = time.monotonic() + serve_router.UNSENT_TTL_S + 1
+    monkeypatch.setattr(serve_router.time, "monotonic", lambda: later)
+    assert router._snapshot(second, replicas[0 if second == "a" else 1], later).load == 0
+
+
+def test_each_report_is_folded_in_once_and_gone_replicas_are_forgotten():
+    router = make_router("prefix_aware")
+    hashes = [11, 22, 33]
+    calls = []
+    update = router.index.update
+    router.index.update = lambda rid, h, now: (calls.append((rid, tuple(h))), update(rid, h, now))
+    a, b = replica("a", cached_block_hashes=hashes), replica("b")
+    for _ in range(3):
+        choose(router, [a, b], GenerateRequest([1, 2], SamplingParams(max_tokens=2)))
+    assert calls == [("a", (11, 22, 33)), ("b", ())]  # three polls of the same reports: folded once
+    a.routing_stats = {**a.routing_stats, "report_seq": 2, "cached_block_hashes": [11]}
+    choose(router, [a, b], GenerateRequest([1, 2], SamplingParams(max_tokens=2)))
+    assert calls[-1] == ("a", (11,))
+    choose(router, [a], GenerateRequest([1, 2], SamplingParams(max_tokens=2)))
+    assert router.index.replica_ids == {"a"} and set(router._report_seq) == {"a"}
+
+
+def test_the_prefix_holder_wins_and_serves_queue_lengths_beat_the_reports():
+    """Load is Serve's queue length when it has one, else the replica's reported queue + running."""
+    block = list(range(16))
+    request = lambda: GenerateRequest(block * 2, SamplingParams(max_tokens=2), block_hashes=[7, 8])  # noqa: E731
+    router = make_router("prefix_aware")
+    holder, other = replica("holder", cached_block_hashes=[7, 8]), replica("other")
+    assert ids(choose(router, [holder, other], request()))[0] == ["holder"]
+    # Reported load alone (Serve has no count yet): a holder far busier than the threshold loses.
+    busy = make_router("prefix_aware")
+    holder_busy = replica("holder", cached_block_hashes=[7, 8], num_queued=20, num_running=10)
+    assert ids(choose(busy, [holder_busy, replica("other")], request()))[0] == ["other"]
+    # Serve's count wins over the report: it says the holder is idle.
+    counted = make_router("prefix_aware", queue_lens={"holder": 0, "other": 0})
+    assert ids(choose(counted, [holder_busy, replica("other")], request()))[0] == ["holder"]
+
+
+def test_before_any_report_every_replica_is_a_candidate_and_no_block_size_is_assumed():
+    router = make_router("prefix_aware")
+    fresh = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=u), routing_stats={}) for u in "ab"]
+    ranked = choose(router, fresh, GenerateRequest([1] * 40, SamplingParams(max_tokens=8)))
+    assert sorted(ids(ranked)[0] + (ids(ranked)[1] if len(ranked) > 1 else [])) == ["a", "b"]
+    assert serve_router._blocks_needed(GenerateRequest([1] * 40, SamplingParams(max_tokens=8)), fresh) == 0
+    assert serve_router._blocks_needed(GenerateRequest([1] * 40, SamplingParams(max_tokens=8)), [replica("a")]) == 3

@@ -1,0 +1,98 @@
+"""What a replica reports through Serve's two polling hooks, each with its one conversion.
+
+Serve's hooks must return plain dicts (`record_routing_stats`) and numbers
+(`record_autoscaling_stats`), and hand those dicts to the routers and the autoscaling policy as
+they came. So each report is a dataclass the replica fills and the reader parses back: the keys
+exist once, here, and a reader cannot ask for a key the writer does not send.
+
+One meaning per name:
+- `num_queued`: requests in the engine's scheduler queue, not yet scheduled (the engine's
+  `stats()["num_waiting"]`).
+- `num_waiting_first_token`: requests the replica admitted that have no first token yet (queued
+  or prefilling): the queue the autoscaler scales on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True, frozen=True)
+class RoutingReport:
+    """A replica's state for the request routers (router/serve_router.py)."""
+
+    replica_id: str
+    # Increases with every report, so a router folds each report in once.
+    report_seq: int
+    # False once the engine stopped: routers skip the replica before Serve replaces it.
+    engine_running: bool = True
+    num_queued: int = 0
+    num_running: int = 0
+    num_free_kv_blocks: int = 0
+    num_total_kv_blocks: int = 0
+    # Tokens per KV block: how a router turns prompt + max_tokens into blocks needed.
+    block_size: int = 0
+    # Every block hash the replica's prefix cache holds.
+    cached_block_hashes: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The dict `record_routing_stats` returns (Serve passes it to routers as it is)."""
+        out = dataclasses.asdict(self)
+        out["cached_block_hashes"] = list(self.cached_block_hashes)
+        return out
+
+    @classmethod
+    def from_dict(cls, stats: Mapping[str, Any] | None) -> RoutingReport | None:
+        """The report in `stats`, or None when the replica has not reported yet (Serve gives an
+        empty dict until the first poll). A report with wrong types is a ValueError."""
+        if not stats:
+            return None
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = {"replica_id", "report_seq"} - set(stats)
+        if missing:
+            raise ValueError(f"routing report without {sorted(missing)}: {sorted(stats)}")
+        report = cls(**{k: v for k, v in stats.items() if k in names})
+        _check_types(report)
+        return dataclasses.replace(report, cached_block_hashes=tuple(report.cached_block_hashes))
+
+
+@dataclass(slots=True, frozen=True)
+class LoadReport:
+    """A replica's load for the autoscaler (autoscaler/serve_policy.py)."""
+
+    num_waiting_first_token: int
+    # Age of the oldest request without a first token (0 when none waits).
+    oldest_wait_s: float
+    num_running: int
+    # Share of KV blocks in use, 0..1.
+    kv_usage: float
+    # Requests the engine runs at once (max_num_seqs): the autoscaler sizes surges in seats.
+    num_seats: int
+    # Requests this replica refused with 429, since it started.
+    num_shed: int
+    num_free_kv_blocks: int
+    num_total_kv_blocks: int
+    # TTFT p90 over the replica's recent window; None when no first token came in it.
+    ttft_p90_s: float | None = None
+
+    def to_metrics(self) -> dict[str, float]:
+        """What `record_autoscaling_stats` returns: numbers only (Serve drops a replica's metrics
+        if one value is not an int or float), so an absent TTFT is left out, not None."""
+        return {k: float(v) for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def metric_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _check_types(report: Any) -> None:
+    for f in dataclasses.fields(report):
+        value = getattr(report, f.name)
+        expected = {"str": str, "int": int, "bool": bool}.get(str(f.type))
+        if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"routing report field {f.name} must be an int, got {value!r}")
+        if expected in (str, bool) and not isinstance(value, expected):
+            raise ValueError(f"routing report field {f.name} must be a {expected.__name__}, got {value!r}")

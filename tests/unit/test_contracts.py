@@ -1,0 +1,63 @@
+"""The reports replicas send through Serve's hooks: each converts to what Serve accepts and back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from autoscaler.serve_policy import replica_loads
+from contracts import LoadReport, RoutingReport
+
+
+def test_a_routing_report_survives_the_round_trip_through_a_plain_dict():
+    report = RoutingReport("r0", 7, num_queued=2, num_running=3, num_free_kv_blocks=10, num_total_kv_blocks=64,
+                           block_size=16, cached_block_hashes=(5, 6))
+    plain = report.to_dict()
+    assert plain["cached_block_hashes"] == [5, 6] and all(type(v) in (str, int, bool, list) for v in plain.values())
+    assert RoutingReport.from_dict(plain) == report
+
+
+def test_no_report_yet_is_none_and_a_stopped_engine_needs_no_numbers():
+    assert RoutingReport.from_dict({}) is None and RoutingReport.from_dict(None) is None
+    stopped = RoutingReport.from_dict(RoutingReport("r1", 3, engine_running=False).to_dict())
+    assert stopped is not None and not stopped.engine_running and stopped.cached_block_hashes == ()
+
+
+def test_a_malformed_routing_report_is_a_clear_error():
+    with pytest.raises(ValueError, match="without.*replica_id"):
+        RoutingReport.from_dict({"report_seq": 1})
+    with pytest.raises(ValueError, match="num_free_kv_blocks must be an int"):
+        RoutingReport.from_dict({"replica_id": "r", "report_seq": 1, "num_free_kv_blocks": "many"})
+    with pytest.raises(ValueError, match="report_seq must be an int"):
+        RoutingReport.from_dict({"replica_id": "r", "report_seq": True})
+
+
+def test_fields_a_newer_replica_adds_are_ignored():
+    report = RoutingReport.from_dict({"replica_id": "r", "report_seq": 1, "a_future_field": 1.5})
+    assert report == RoutingReport("r", 1)
+
+
+def test_a_load_report_is_numbers_only_and_leaves_out_an_absent_ttft():
+    report = LoadReport(num_waiting_first_token=2, oldest_wait_s=0.5, num_running=3, kv_usage=0.25, num_seats=8,
+                        num_shed=1, num_free_kv_blocks=48, num_total_kv_blocks=64)
+    metrics = report.to_metrics()
+    assert all(type(v) is float for v in metrics.values()) and "ttft_p90_s" not in metrics
+    assert set(metrics) == set(LoadReport.metric_names()) - {"ttft_p90_s"}
+    assert LoadReport(**{**metrics, "ttft_p90_s": 0.3}).to_metrics()["ttft_p90_s"] == 0.3
+
+
+@dataclass(frozen=True)
+class Sample:  # Serve's TimeStampedValue
+    timestamp: float
+    value: float
+
+
+def test_the_autoscaler_reads_exactly_what_a_load_report_sends():
+    """A replica's LoadReport, as Serve hands it to the policy, becomes the ReplicaLoad it says."""
+    report = LoadReport(num_waiting_first_token=4, oldest_wait_s=1.5, num_running=6, kv_usage=0.75, num_seats=8,
+                        num_shed=0, num_free_kv_blocks=16, num_total_kv_blocks=64, ttft_p90_s=0.9)
+    raw = {name: {"r": [Sample(10.0, value)]} for name, value in report.to_metrics().items()}
+    (load,) = replica_loads(raw, ["r"])
+    assert (load.num_waiting, load.num_running, load.ttft_p90_s, load.oldest_wait_s, load.kv_usage,
+            load.num_seats) == (4, 6, 0.9, 1.5, 0.75, 8)
