@@ -46,6 +46,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from contracts.checks import is_int
+
 PRIORITIES = ("interactive", "batch")
 # The most TTFT samples kept, so memory stays bounded (~300 KB) at any rate. Beyond 2048 first
 # tokens/s in the default 2 s window the oldest samples go early: the mean is then over the newest
@@ -81,7 +83,7 @@ class AdmissionPolicy:
     batch_queue_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if (not isinstance(self.max_waiting_requests, int) or isinstance(self.max_waiting_requests, bool)
+        if (not is_int(self.max_waiting_requests)
                 or self.max_waiting_requests < 1):
             raise ValueError(f"max_waiting_requests must be an integer >= 1, got {self.max_waiting_requests!r}")
         if not (math.isfinite(self.batch_max_wait_s) and self.batch_max_wait_s >= 0):

@@ -66,6 +66,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from contracts.checks import is_int, is_number
+
 # n * (waiting / n / target) can land just over a whole number (3 * (65 / 3 / 5) is
 # 13.000000000000002): ceil must not add a replica for a rounding error.
 _CEIL_SLACK = 1e-9
@@ -87,10 +89,6 @@ class ReplicaLoad:
     kv_usage: float = 0.0
     # Requests the replica can run at once (the engine's max_num_seqs); 0: not reported.
     num_seats: int = 0
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # (field, test, what the test asks) for each number in the config; NaN fails every test.
@@ -126,13 +124,13 @@ class AutoscalerConfig:
     def __post_init__(self) -> None:
         for name, low in (("min_replicas", 0), ("max_replicas", 1), ("warm_spares", 0)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
         for name, test, wanted in _CHECKS:
             value = getattr(self, name)
-            if not _is_number(value) or not test(value):
+            if not is_number(value) or not test(value):
                 raise ValueError(f"{name} must be a number {wanted}, got {value!r}")
 
 
@@ -293,10 +291,10 @@ def state_from_dict(d: object) -> AutoscalerState:
         return AutoscalerState()
     values = {f.name: d.get(f.name) for f in fields(AutoscalerState)}
     demand = values.pop("demand")
-    if demand is not None and (not isinstance(demand, int) or isinstance(demand, bool) or demand < 0):
+    if demand is not None and (not is_int(demand) or demand < 0):
         return AutoscalerState()
     for name, value in values.items():
-        if value is not None and (not _is_number(value) or not math.isfinite(value)):
+        if value is not None and (not is_number(value) or not math.isfinite(value)):
             return AutoscalerState()
     times = {name: None if value is None else float(value) for name, value in values.items()}
     return AutoscalerState(demand, **times)

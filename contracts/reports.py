@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from contracts.checks import is_int
+
 
 @dataclass(slots=True, frozen=True)
 class RoutingReport:
@@ -92,7 +94,7 @@ def _check_types(report: Any) -> None:
     for f in dataclasses.fields(report):
         value = getattr(report, f.name)
         expected = {"str": str, "int": int, "bool": bool}.get(str(f.type))
-        if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
+        if expected is int and not is_int(value):
             raise ValueError(f"routing report field {f.name} must be an int, got {value!r}")
         if expected in (str, bool) and not isinstance(value, expected):
             raise ValueError(f"routing report field {f.name} must be a {expected.__name__}, got {value!r}")

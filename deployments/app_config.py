@@ -8,6 +8,7 @@ from typing import Any
 
 from autoscaler.admission import AdmissionPolicy
 from autoscaler.policy import AutoscalerConfig
+from contracts.checks import is_int, is_number
 from deployments.llm_server import AdmissionConfig
 from deployments.retry_policy import RetryPolicy
 from router.policy import RouterConfig
@@ -74,7 +75,7 @@ class AppArgs:
         for name in ("ingress_replicas", "max_ongoing_requests") + (("num_replicas",) if self.num_replicas is not None
                                                                     else ()):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.max_queued_requests, int) or not (self.max_queued_requests == -1
                                                                  or self.max_queued_requests >= 1):
@@ -82,7 +83,7 @@ class AppArgs:
         for name in ("routing_stats_period_s", "drain_timeout_s", "health_check_period_s", "health_check_timeout_s",
                      "request_body_timeout_s"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            if not (is_number(value) and value > 0):
                 raise ValueError(f"{name} must be > 0, got {value!r}")
         for name in ("engine_args", "admission", "ingress_admission", "llm_server_actor_options",
                      "ingress_actor_options", "router", "retry"):

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from contracts.checks import is_int
 from deployments.errors import APIError, invalid
 from model_worker.request import Priority
 from model_worker.sampling_params import SamplingParams, SamplingParamsError
@@ -111,7 +112,7 @@ def _common(body: dict[str, Any], kind: str, served_model: str, id_prefix: str) 
         if name in body and not _safe(is_default, body[name]):
             raise invalid(name, f"{name} is not supported by this server; omit it or send its default")
     n = _integral(body.get("n"))
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
+    if n is not None and (not is_int(n) or n != 1):
         raise invalid("n", f"n must be 1 (one choice per prompt); got {n!r}")
     stream = body.get("stream", False)
     if stream is None:
@@ -172,12 +173,12 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
         prompt = [[_integral(t) for t in p] if isinstance(p, list) else _integral(p) for p in prompt]
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         prompts = [list(prompt)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
     elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+            isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt):
         prompts = [list(p) for p in prompt]
     else:
         raise invalid("prompt", "prompt must be a string, a list of strings, a list of token ids or a list "
@@ -304,7 +305,7 @@ def _optional_int(body: dict[str, Any], name: str) -> int | None:
     value = _integral(body.get(name))
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise invalid(name, f"{name} must be an integer >= 1; got {_short_repr(value)}")
     return value
 
@@ -321,10 +322,6 @@ def _integral(value: Any) -> Any:
 def _short_repr(value: Any, limit: int = 100) -> str:
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _safe(predicate: Any, value: Any) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contracts.checks import is_int, is_number
+
 
 @dataclass(slots=True, frozen=True)
 class RetryPolicy:
@@ -20,11 +22,11 @@ class RetryPolicy:
     backoff_s: float = 0.1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_attempts, int) or isinstance(self.max_attempts, bool) or self.max_attempts < 1:
+        if not is_int(self.max_attempts) or self.max_attempts < 1:
             raise ValueError(f"max_attempts must be an integer >= 1, got {self.max_attempts!r}")
         for name in ("first_reply_timeout_s", "stall_timeout_s"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            if not (is_number(value) and value > 0):
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         if not (isinstance(self.backoff_s, (int, float)) and 0 <= self.backoff_s <= 10):
             raise ValueError(f"backoff_s must be in [0, 10], got {self.backoff_s!r}")

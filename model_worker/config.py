@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contracts.checks import is_int
+
 BATCHING_MODES = ("continuous", "static")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -102,7 +104,7 @@ class SchedulerConfig:
 
 
 def _positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 

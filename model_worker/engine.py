@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from contracts.checks import is_int
 from model_worker.batch import ModelRunner, ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.detokenizer import IncrementalDetokenizer
@@ -87,7 +88,7 @@ class LLMEngine:
                 raise RequestRejected("this engine has no tokenizer: pass token ids", param="prompt")
             return list(self.tokenizer.encode(prompt))
         if not isinstance(prompt, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                is_int(t) for t in prompt):
             raise RequestRejected("prompt must be a string or a list of token ids", param="prompt")
         limit = self.vocab_size
         bad = [t for t in prompt if t < 0 or (limit is not None and t >= limit)]

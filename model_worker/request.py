@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from contracts.checks import is_int
 from model_worker.hashing import ROOT_HASH, hash_block_tokens
 from model_worker.sampling_params import SamplingParams
 
@@ -25,7 +26,7 @@ class Priority(enum.IntEnum):
             return value
         if isinstance(value, str) and value.upper() in cls.__members__:
             return cls[value.upper()]
-        if isinstance(value, int) and not isinstance(value, bool) and value in cls._value2member_map_:
+        if is_int(value) and value in cls._value2member_map_:
             return cls(value)
         names = ", ".join(m.name.lower() for m in cls)
         raise ValueError(f"priority must be one of {names}; got {value!r}")

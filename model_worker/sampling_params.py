@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from contracts.checks import is_int, is_number
+
 # Temperatures below this sample as greedy. The sampler divides float32 logits by the temperature:
 # 1e-300 is 0 in float32 and a tiny one overflows to inf, and either gives NaN probabilities
 # (which silently sampled token 0). Below 1e-5 the distribution is argmax to float32 precision
@@ -49,15 +51,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+        _check(is_int(self.max_tokens)
                and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {_short(self.max_tokens)}")
         _check(_is_number(self.temperature) and 0.0 <= self.temperature <= 100.0,
                "temperature", f"must be a number in [0, 100], got {_short(self.temperature)}")
         _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
                "top_p", f"must be a number in (0, 1], got {_short(self.top_p)}")
-        _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1,
+        _check(is_int(self.top_k) and self.top_k >= -1,
                "top_k", f"must be an integer >= -1 (0 or -1 disables it), got {_short(self.top_k)}")
-        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+        _check(self.seed is None or (is_int(self.seed)
                                      and 0 <= self.seed < 2**63),
                "seed", f"must be an integer in [0, 2**63) or None, got {_short(self.seed)}")
         _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
@@ -67,7 +69,7 @@ class SamplingParams:
         _check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
                f"strings may be at most {MAX_STOP_STRING_CHARS} characters long")
         _check(isinstance(self.stop_token_ids, list)
-               and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+               and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", f"must be a list of non-negative integers, got {_short(self.stop_token_ids)}")
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
                f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
@@ -94,7 +96,7 @@ class SamplingParamsError(ValueError):
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    return is_number(value) and value == value
 
 
 def _short(value: object, limit: int = 200) -> str:
