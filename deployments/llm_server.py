@@ -89,7 +89,7 @@ class LLMServer:
             _import_model_code()
             imports_s["imports"] = time.perf_counter() - started_s
             engine = AsyncLLMEngine(_engine_config(model, engine_args))
-        self.load_times_s = {**imports_s, **getattr(engine.engine.runner, "load_times_s", {}),
+        self.load_times_s = {**imports_s, **engine.engine.runner.load_times_s,
                              "total": time.perf_counter() - started_s}
         self.engine = engine
         self.admission = admission if isinstance(admission, AdmissionConfig) else AdmissionConfig(**(admission or {}))

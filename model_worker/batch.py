@@ -6,8 +6,9 @@ this batch and returns one sampled token per sequence whose `sample` flag is set
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from model_worker.sampling_params import SamplingParams
 
@@ -56,12 +57,25 @@ class SchedulerOutput:
 
 
 class ModelRunner(Protocol):
-    """Runs one forward over the packed tokens of every scheduled sequence, then samples."""
+    """Runs one forward over the packed tokens of every scheduled sequence, then samples. Every
+    member the engine and the replica read is declared here (TorchModelRunner, the tests' fake
+    runners and model_worker.step_padding.PaddedRunner have them all)."""
 
     # Number of KV blocks the runner allocated; the scheduler's block pool has exactly these.
     num_kv_blocks: int
     # Longest sequence (prompt + output) the model supports.
     max_model_len: int
+    # Rows of the logits: token ids the model accepts are [0, vocab_size).
+    vocab_size: int
+    # Token ids that end a sequence, from the checkpoint.
+    eos_token_ids: Sequence[int]
+    # The checkpoint's Hugging Face tokenizer (None: token ids only).
+    tokenizer: Any
+    # Seconds in model forward and in execute() since the runner was built.
+    forward_time_s: float
+    execute_time_s: float
+    # Seconds each part of loading took (weights, tokenizer, KV cache).
+    load_times_s: dict[str, float]
 
     def execute(self, batch: SchedulerOutput) -> list[int]:
         """Return one sampled token id per sequence with sample=True, in batch order."""

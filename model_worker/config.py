@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contracts.checks import is_int
+from contracts.checks import is_int, is_number
 
 BATCHING_MODES = ("continuous", "static")
 DEVICES = ("auto", "cpu", "cuda")
@@ -57,7 +57,8 @@ class EngineConfig:
     # Benchmarks only: pad every non-empty step to at least this many seconds, sleeping (not
     # computing) for the rest, as a GPU step would keep the device, not the host, busy. With it a
     # replica's capacity is set by its steps, not by the host's cores, so a 2-core machine can show
-    # how 4 replicas scale. The model still runs for real; 0 (the default) is off.
+    # how 4 replicas scale. The model still runs for real; 0 (the default) is off. The engine wraps
+    # its runner in model_worker.step_padding.PaddedRunner for it; its step has no padding code.
     emulated_step_time_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -75,7 +76,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if not (isinstance(self.emulated_step_time_s, (int, float)) and 0 <= self.emulated_step_time_s <= 10):
+        if not (is_number(self.emulated_step_time_s) and 0 <= self.emulated_step_time_s <= 10):
             raise ValueError(f"emulated_step_time_s must be in [0, 10], got {self.emulated_step_time_s!r}")
         _choice("batching", self.batching, BATCHING_MODES)
         _choice("device", self.device, DEVICES)

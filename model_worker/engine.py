@@ -27,6 +27,7 @@ from model_worker.outputs import RequestOutput
 from model_worker.request import Priority, Request, RequestStatus, RequestTimings
 from model_worker.sampling_params import SamplingParams
 from model_worker.scheduler import RequestRejected, Scheduler
+from model_worker.step_padding import PaddedRunner
 from model_worker.stats import RollingStats
 
 # Steps in a row that the runner failed with no request to blame (its probe failed too) before
@@ -47,13 +48,15 @@ class LLMEngine:
         if model_runner is None:
             config, model_runner = _build_runner(config)
             tokenizer = tokenizer if tokenizer is not None else model_runner.tokenizer
+        if config.emulated_step_time_s > 0:
+            model_runner = PaddedRunner(model_runner, config.emulated_step_time_s)
         self.config = config
         self.runner = model_runner
         self.tokenizer = tokenizer
         self.clock = clock
-        self.vocab_size: int | None = getattr(model_runner, "vocab_size", None)
+        self.vocab_size: int | None = model_runner.vocab_size
         if eos_token_ids is None:
-            eos_token_ids = getattr(model_runner, "eos_token_ids", ())
+            eos_token_ids = model_runner.eos_token_ids
         scheduler_config = SchedulerConfig(
             block_size=config.block_size,
             num_kv_blocks=model_runner.num_kv_blocks,
@@ -201,8 +204,6 @@ class LLMEngine:
         sampled: list[int] = []
         if not batch.is_empty:
             batch, sampled = self._execute(batch, outputs)
-        if not batch.is_empty and self.config.emulated_step_time_s > 0:
-            self._pad_step(start_s)
         progressed = self.scheduler.update(batch, sampled)
         for request in progressed:
             outputs[request.request_id] = self._progress_output_or_error(request)
@@ -310,13 +311,6 @@ class LLMEngine:
         except Exception as exc:
             return self._fail(request, f"detokenizing this request failed: {type(exc).__name__}: {exc}")
 
-    def _pad_step(self, start_s: float) -> None:
-        """Sleep out the rest of the emulated step time: the outputs, and the token timestamps the
-        scheduler stamps next, come when an accelerator's step would have ended."""
-        remaining_s = self.config.emulated_step_time_s - (self.clock() - start_s)
-        if remaining_s > 0:
-            time.sleep(remaining_s)
-
     def _progress_output(self, request: Request) -> RequestOutput:
         token = request.output_token_ids[-1]
         text = ""
@@ -376,8 +370,8 @@ class LLMEngine:
             "requests_finished": dict(self.num_finished),
             "tokens_per_s": self._rolling.tokens_per_s(self.clock()),
             "step_time_s": self.step_time_s,
-            "forward_time_s": getattr(self.runner, "forward_time_s", 0.0),
-            "execute_time_s": getattr(self.runner, "execute_time_s", 0.0),
+            "forward_time_s": self.runner.forward_time_s,
+            "execute_time_s": self.runner.execute_time_s,
         }
         stats.update(self._rolling.ttft_percentiles())
         if include_block_hashes:

@@ -25,6 +25,8 @@ class FakeKVRunner:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.tokenizer = None
+        self.forward_time_s = self.execute_time_s = 0.0
+        self.load_times_s: dict[str, float] = {}
         self.slots: list[int | None] = [None] * (num_kv_blocks * block_size)
         self.batches: list[SchedulerOutput] = []
         self.forced: dict[tuple[str, int], int] = {}
