@@ -47,8 +47,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from contracts.checks import is_int
+from contracts.priority import PRIORITIES
 
-PRIORITIES = ("interactive", "batch")
 # The most TTFT samples kept, so memory stays bounded (~300 KB) at any rate. Beyond 2048 first
 # tokens/s in the default 2 s window the oldest samples go early: the mean is then over the newest
 # 4096, all still inside the window, and the rate is taken over the span they cover.

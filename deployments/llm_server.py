@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from contracts import LoadReport, RoutingReport
+from contracts.priority import PRIORITIES
 from deployments.errors import APIError, internal, invalid, not_ready, overloaded
 from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, TTFT_BUCKETS_S, Histogram,
                                  family_dict)
@@ -31,7 +32,6 @@ from model_worker.sampling_params import SamplingParams, SamplingParamsError
 from model_worker.scheduler import RequestRejected
 from model_worker.stats import percentile
 
-PRIORITIES = ("interactive", "batch")
 # The autoscaler's TTFT p90 covers first tokens of the last this many seconds: short enough that a
 # surge shows within seconds, long enough to hold a few dozen samples at a few requests per second.
 TTFT_WINDOW_S = 5.0

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contracts.checks import is_int
+from contracts.priority import Priority
 from deployments.errors import APIError, invalid
-from model_worker.request import Priority
 from model_worker.sampling_params import SamplingParams, SamplingParamsError
 
 # A completions request may batch prompts; more than this in one body is refused.
@@ -124,7 +124,7 @@ def _common(body: dict[str, Any], kind: str, served_model: str, id_prefix: str) 
     if user is not None and not isinstance(user, str):
         raise invalid("user", "user must be a string")
     try:
-        priority = Priority.parse(body.get("priority") or "interactive").name.lower()
+        priority = Priority.parse(body.get("priority") or "interactive").label
     except ValueError as exc:
         raise invalid("priority", str(exc)) from None
     return ParsedRequest(kind=kind, model=served_model, sampling=_sampling(body), stream=stream,

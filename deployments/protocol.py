@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from model_worker.request import Priority
+from contracts.priority import Priority
 from model_worker.sampling_params import SamplingParams
 
 
@@ -39,7 +39,7 @@ class GenerateRequest:
     routed_replica_id: str | None = None
 
     def __post_init__(self) -> None:
-        self.priority = Priority.parse(self.priority).name.lower()
+        self.priority = Priority.parse(self.priority).label
 
 
 @dataclass(slots=True)

@@ -16,10 +16,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from contracts.priority import Priority
 from model_worker.config import EngineConfig
 from model_worker.engine import LLMEngine
 from model_worker.outputs import RequestOutput
-from model_worker.request import Priority
 from model_worker.sampling_params import SamplingParams
 from model_worker.scheduler import RequestRejected
 

@@ -9,27 +9,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from contracts.checks import is_int
+from contracts.priority import Priority
 from model_worker.hashing import ROOT_HASH, hash_block_tokens
 from model_worker.sampling_params import SamplingParams
-
-
-class Priority(enum.IntEnum):
-    """Lower value is served first."""
-
-    INTERACTIVE = 0
-    BATCH = 1
-
-    @classmethod
-    def parse(cls, value: "Priority | str | int") -> "Priority":
-        if isinstance(value, Priority):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        if is_int(value) and value in cls._value2member_map_:
-            return cls(value)
-        names = ", ".join(m.name.lower() for m in cls)
-        raise ValueError(f"priority must be one of {names}; got {value!r}")
 
 
 class RequestStatus(enum.IntEnum):
