@@ -26,7 +26,7 @@ from model_worker.hashing import ROOT_HASH, hash_block_tokens
 from model_worker.outputs import RequestOutput
 from model_worker.request import Priority, Request, RequestStatus, RequestTimings
 from model_worker.sampling_params import SamplingParams
-from model_worker.scheduler import RequestRejected, Scheduler
+from model_worker.scheduler import RequestRejected, make_scheduler
 from model_worker.step_padding import PaddedRunner
 from model_worker.stats import RollingStats
 
@@ -66,7 +66,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             batching=config.batching,
         )
-        self.scheduler = Scheduler(scheduler_config, eos_token_ids, clock)
+        self.scheduler = make_scheduler(scheduler_config, eos_token_ids, clock)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._rolling = RollingStats(config.stats_window)
         self.num_steps = 0

@@ -9,11 +9,8 @@ No new request is admitted in a step that preempted for blocks. When every seat 
 taken, a waiting request of a more urgent class (interactive over batch) takes the seat of the
 least urgent running one.
 
-In "static" mode (the request-level batching baseline) waiting requests join only when the
-previous batch has entirely finished, and a finished request is reported only then. As in a
-fixed-shape batch (transformers' generate, FasterTransformer), a finished member keeps its slot
-and its KV blocks until the batch ends and keeps costing one decode per step: it recomputes its
-last token in place and the result is discarded.
+Static (request-level) batching, the benchmarks' baseline, is a policy of its own beside this
+one: model_worker/static_scheduler.py. `make_scheduler` picks by `SchedulerConfig.batching`.
 """
 
 from __future__ import annotations
@@ -48,16 +45,11 @@ class Scheduler:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
-        self.static = config.batching == "static"
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting = RequestQueue()
         # Sorted by (priority, arrival): the preemption victim is always the last one.
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # Static mode: finished batch members, reported (and their blocks freed) when the batch ends.
-        self._held: list[Request] = []
-        # Held members that have a KV slot to keep decoding into.
-        self._padding_ids: set[str] = set()
         self._finished: list[Request] = []
         self._next_arrival_seq = 0
         self.num_preemptions = 0
@@ -104,13 +96,6 @@ class Scheduler:
         if request is not None:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             return True
-        for held in self._held:
-            if held.request_id == request_id:
-                self._held.remove(held)
-                self._padding_ids.discard(request_id)
-                self.kv.free(held)
-                held.status = RequestStatus.FINISHED_ABORTED
-                return True
         return False
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
@@ -130,30 +115,20 @@ class Scheduler:
 
     def take_finished(self) -> list[Request]:
         """Requests whose end should be reported now."""
-        if self._held and not self.running:
-            for request in self._held:
-                self.kv.free(request)
-            self._finished.extend(self._held)
-            self._held.clear()
-            self._padding_ids.clear()
         finished, self._finished = self._finished, []
         return finished
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._held or self._finished)
+        return bool(self.waiting or self.running or self._finished)
 
     # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        if self.static and not self.running and not self._held:
-            self._admit_static_batch()
-        num_seats_freed = 0 if self.static else self._free_seats_for_urgent(out)
+        num_seats_freed = self._free_seats_for_urgent(out)
         budget = self._schedule_running(out, budget)
-        if self.static and self.running:
-            budget = self._schedule_padding(out, budget)
-        if not self.static and len(out.preempted_request_ids) == num_seats_freed:
+        if len(out.preempted_request_ids) == num_seats_freed:
             budget = self._schedule_waiting(out, budget)
         out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return out
@@ -209,35 +184,6 @@ class Scheduler:
             self._emit(out, request, num_new)
             budget -= num_new
         return budget
-
-    def _schedule_padding(self, out: SchedulerOutput, budget: int) -> int:
-        """Static mode: finished members still cost a decode each, as in a fixed-shape batch."""
-        for request in self._held:
-            if budget == 0:
-                break
-            if request.request_id not in self._padding_ids:
-                continue
-            out.sequences.append(ScheduledSequence(
-                request_id=request.request_id,
-                token_ids=[request.output_token_ids[-1]],
-                start_position=request.num_computed_tokens,
-                block_table=self.kv.block_ids(request.request_id),
-                sample=True,
-                sampling_params=request.sampling_params,
-                output_index=request.num_output_tokens,
-            ))
-            budget -= 1
-        return budget
-
-    def _admit_static_batch(self) -> None:
-        """Start a new request-level batch: everyone waiting, up to max_num_seqs, at once."""
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
-            hits = self.kv.get_computed_blocks(request)
-            if not self.kv.allocate_slots(request, 0, hits):
-                break
-            self.waiting.pop()
-            self._start_running(request, len(hits) * self.config.block_size)
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:
         if request.num_cached_tokens < 0:
@@ -320,19 +266,13 @@ class Scheduler:
         request.status = status
         request.timings.finished_s = self.clock()
         del self.requests[request.request_id]
-        if self.static and status != RequestStatus.FINISHED_ABORTED:
-            self._hold(request)
-            return
+        self._release(request, status)
+
+    def _release(self, request: Request, status: RequestStatus) -> None:
+        """A request just finished: its blocks go back now and its end is reported this step."""
         self.kv.free(request)
         if status != RequestStatus.FINISHED_ABORTED:
             self._finished.append(request)
-
-    def _hold(self, request: Request) -> None:
-        """Keep a finished static-batch member's blocks, plus a slot for its last token so it
-        can keep decoding in place. Without a free block for that slot it just waits."""
-        self._held.append(request)
-        if self.kv.allocate_slots(request, 1, cache_blocks=False):
-            self._padding_ids.add(request.request_id)
 
     # ---- observation --------------------------------------------------------------------------
 
@@ -343,3 +283,13 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+
+def make_scheduler(config: SchedulerConfig, eos_token_ids: Iterable[int] = (),
+                   clock: Callable[[], float] = time.monotonic) -> Scheduler:
+    """The scheduling policy `config.batching` names: "continuous" (this module) or "static"."""
+    if config.batching == "static":
+        from model_worker.static_scheduler import StaticBatchScheduler
+
+        return StaticBatchScheduler(config, eos_token_ids, clock)
+    return Scheduler(config, eos_token_ids, clock)
