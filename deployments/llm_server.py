@@ -89,13 +89,13 @@ class LLMServer:
             _import_model_code()
             imports_s["imports"] = time.perf_counter() - started_s
             engine = AsyncLLMEngine(_engine_config(model, engine_args))
-        self.load_times_s = {**imports_s, **engine.engine.runner.load_times_s,
+        self.load_times_s = {**imports_s, **engine.load_times_s,
                              "total": time.perf_counter() - started_s}
         self.engine = engine
         self.admission = admission if isinstance(admission, AdmissionConfig) else AdmissionConfig(**(admission or {}))
         self.replica_id = replica_id or uuid.uuid4().hex[:8]
         self.clock = clock
-        scheduler = engine.engine.scheduler.config
+        scheduler = engine.limits
         # Requests the engine runs at once (max_num_seqs): the autoscaler sizes surges in seats.
         self.num_seats = scheduler.max_num_seqs
         self.info = ModelInfo(
@@ -103,8 +103,8 @@ class LLMServer:
             # A request must fit both the model's positions and the whole KV cache.
             max_model_len=min(scheduler.max_model_len, scheduler.num_kv_blocks * scheduler.block_size),
             block_size=scheduler.block_size,
-            vocab_size=engine.engine.vocab_size,
-            eos_token_ids=list(engine.engine.scheduler.eos_token_ids),
+            vocab_size=engine.vocab_size,
+            eos_token_ids=list(engine.eos_token_ids),
             created=int(time.time()),
         )
         # Admitted requests that have not produced a first token yet, by priority.

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from contracts.priority import Priority
-from model_worker.config import EngineConfig
+from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.engine import LLMEngine
 from model_worker.outputs import RequestOutput
 from model_worker.sampling_params import SamplingParams
@@ -148,6 +148,25 @@ class AsyncLLMEngine:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def limits(self) -> SchedulerConfig:
+        """What the engine runs under (max_num_seqs, max_model_len, KV blocks and block size):
+        fixed once it is built, so readable from any thread."""
+        return self.engine.scheduler.config
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.engine.vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.engine.scheduler.eos_token_ids
+
+    @property
+    def load_times_s(self) -> dict[str, float]:
+        """Seconds each part of loading the model took (weights, tokenizer, KV cache)."""
+        return self.engine.runner.load_times_s
 
     @property
     def is_running(self) -> bool:
