@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from contracts import LoadReport, RoutingReport
+from contracts.engine_stats import EngineStats
 from contracts.priority import PRIORITIES
 from deployments.errors import APIError, internal, invalid, not_ready, overloaded
 from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, TTFT_BUCKETS_S, Histogram,
@@ -252,9 +253,9 @@ class LLMServer:
         stats = await self.engine.stats(include_block_hashes=True)
         return RoutingReport(
             replica_id=self.replica_id, report_seq=self._report_seq, engine_running=True,
-            num_queued=stats["num_waiting"], num_running=stats["num_running"],
-            num_free_kv_blocks=stats["num_free_kv_blocks"], num_total_kv_blocks=stats["num_total_kv_blocks"],
-            block_size=stats["block_size"], cached_block_hashes=tuple(stats["cached_block_hashes"]),
+            num_queued=stats.num_waiting, num_running=stats.num_running,
+            num_free_kv_blocks=stats.num_free_kv_blocks, num_total_kv_blocks=stats.num_total_kv_blocks,
+            block_size=stats.block_size, cached_block_hashes=tuple(stats.cached_block_hashes),
         ).to_dict()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
@@ -266,9 +267,9 @@ class LLMServer:
         queue = self.queue_stats()
         return LoadReport(
             num_waiting_first_token=int(queue["num_waiting_first_token"]), oldest_wait_s=queue["oldest_wait_s"],
-            num_running=stats["num_running"], kv_usage=stats["kv_usage"], num_seats=self.num_seats,
-            num_shed=sum(self.num_shed.values()), num_free_kv_blocks=stats["num_free_kv_blocks"],
-            num_total_kv_blocks=stats["num_total_kv_blocks"], ttft_p90_s=queue.get("ttft_p90_s"),
+            num_running=stats.num_running, kv_usage=stats.kv_usage, num_seats=self.num_seats,
+            num_shed=sum(self.num_shed.values()), num_free_kv_blocks=stats.num_free_kv_blocks,
+            num_total_kv_blocks=stats.num_total_kv_blocks, ttft_p90_s=queue.get("ttft_p90_s"),
         ).to_metrics()
 
     def queue_stats(self) -> dict[str, float]:
@@ -352,8 +353,8 @@ def _engine_config(model: str | None, engine_args: dict[str, Any] | None) -> Eng
     return EngineConfig(**args)
 
 
-def _families(server: LLMServer, stats: dict[str, Any]) -> list[dict[str, Any]]:
-    finished = stats["requests_finished"]
+def _families(server: LLMServer, stats: EngineStats) -> list[dict[str, Any]]:
+    finished = stats.requests_finished
     return [
         family_dict("iterserve_time_to_first_token_seconds", "histogram",
                     "Time from arrival at the engine to the first output token.", [({}, server.ttft_s.snapshot())]),
@@ -364,23 +365,23 @@ def _families(server: LLMServer, stats: dict[str, Any]) -> list[dict[str, Any]]:
         family_dict("iterserve_request_queue_time_seconds", "histogram",
                     "Time from arrival at the engine to first being scheduled.", [({}, server.queue_s.snapshot())]),
         family_dict("iterserve_num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
-                    [({}, stats["num_waiting"])]),
+                    [({}, stats.num_waiting)]),
         family_dict("iterserve_num_requests_running", "gauge", "Requests in the running batch.",
-                    [({}, stats["num_running"])]),
+                    [({}, stats.num_running)]),
         family_dict("iterserve_kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (0 to 1).",
-                    [({}, stats["kv_usage"])]),
+                    [({}, stats.kv_usage)]),
         family_dict("iterserve_request_success_total", "counter", "Finished requests by finish reason.",
                     [({"finished_reason": reason}, n) for reason, n in finished.items()]),
         family_dict("iterserve_prompt_tokens_total", "counter", "Prompt tokens admitted.",
-                    [({}, stats["prompt_tokens_total"])]),
+                    [({}, stats.prompt_tokens_total)]),
         family_dict("iterserve_generation_tokens_total", "counter", "Output tokens generated.",
-                    [({}, stats["generation_tokens_total"])]),
+                    [({}, stats.generation_tokens_total)]),
         family_dict("iterserve_prefix_cache_queries_total", "counter",
-                    "Prompt tokens looked up in the prefix cache.", [({}, stats["prefix_cache_query_tokens"])]),
+                    "Prompt tokens looked up in the prefix cache.", [({}, stats.prefix_cache_query_tokens)]),
         family_dict("iterserve_prefix_cache_hits_total", "counter",
-                    "Prompt tokens served from the prefix cache.", [({}, stats["prefix_cache_hit_tokens"])]),
+                    "Prompt tokens served from the prefix cache.", [({}, stats.prefix_cache_hit_tokens)]),
         family_dict("iterserve_num_preemptions_total", "counter", "Requests preempted for KV blocks.",
-                    [({}, stats["num_preemptions"])]),
+                    [({}, stats.num_preemptions)]),
         family_dict("iterserve_requests_shed_total", "counter", "Requests refused with 429 under overload.",
                     [({"priority": p}, n) for p, n in server.num_shed.items()]),
         family_dict("iterserve_requests_resumed_total", "counter",

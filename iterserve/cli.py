@@ -79,8 +79,8 @@ async def _demo(args: argparse.Namespace) -> int:
         for prompt, text in zip(DEMO_PROMPTS, texts):
             print(f"- {prompt!r} -> {text!r}")
         stats = await engine.stats()
-        print(f"\nsteps: {stats['num_steps']}, generated tokens: {stats['generation_tokens_total']}, "
-              f"KV blocks free: {stats['num_free_kv_blocks']}/{stats['num_total_kv_blocks']}")
+        print(f"\nsteps: {stats.num_steps}, generated tokens: {stats.generation_tokens_total}, "
+              f"KV blocks free: {stats.num_free_kv_blocks}/{stats.num_total_kv_blocks}")
     finally:
         engine.shutdown()
     return 0

@@ -78,7 +78,7 @@ def decode_step_s(engine: LLMEngine, batch: int, args: argparse.Namespace) -> fl
     for i, prompt in enumerate(prompts(engine.vocab_size, batch, 32, seed=batch)):
         engine.add_request(f"decode-{batch}-{i}", prompt, params)
     engine.step()  # every prompt in one step (the token budget holds them all), then decodes only
-    if engine.stats()["num_waiting"]:
+    if engine.stats().num_waiting:
         raise RuntimeError(f"batch {batch} did not fit one prefill step")
     engine.step()  # warm-up decode
     times = [timed_step(engine) for _ in range(args.decode_steps)]

@@ -61,7 +61,7 @@ def run_engine(engine: Any, workload: list[BenchRequest], make_params: Callable[
 
 @dataclass(slots=True, frozen=True)
 class Efficiency:
-    # Seconds in model forward over the window, as the runner counts them (stats()["forward_time_s"]).
+    # Seconds in model forward over the window, as the runner counts them (stats().forward_time_s).
     forward_s: float
     # Wall seconds of the window: the sum of its step() calls, back to back. The driver's own
     # stats() reads between steps are left out: they are the measurement, not the engine.
@@ -93,13 +93,13 @@ def measure_efficiency(engine: Any, make_params: Callable[[int], Any], token_poo
     num_steps = num_tokens = 0
     while engine.has_unfinished():
         stats = engine.stats()
-        in_window = stats["num_running"] == num_seqs and stats["num_waiting"] == 0
-        forward_before = stats["forward_time_s"]
+        in_window = stats.num_running == num_seqs and stats.num_waiting == 0
+        forward_before = stats.forward_time_s
         t0 = clock()
         outputs = engine.step()
         t1 = clock()
         if in_window:
-            forward_s += engine.stats()["forward_time_s"] - forward_before
+            forward_s += engine.stats().forward_time_s - forward_before
             wall_s += t1 - t0
             num_steps += 1
             num_tokens += sum(len(o.new_token_ids) for o in outputs)

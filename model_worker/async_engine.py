@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from contracts.engine_stats import EngineStats
 from contracts.priority import Priority
 from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.engine import LLMEngine
@@ -236,7 +237,7 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         self._submit(lambda: self.engine.abort(request_id))
 
-    async def stats(self, include_block_hashes: bool = False) -> dict[str, Any]:
+    async def stats(self, include_block_hashes: bool = False) -> EngineStats:
         """A consistent snapshot, taken by the engine thread between two steps."""
         return await self._call(lambda: self.engine.stats(include_block_hashes))
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from contracts.checks import is_int
+from contracts.engine_stats import EngineStats
 from model_worker.batch import ModelRunner, ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.detokenizer import IncrementalDetokenizer
@@ -345,38 +346,36 @@ class LLMEngine:
 
     # ---- observation --------------------------------------------------------------------------
 
-    def stats(self, include_block_hashes: bool = False) -> dict[str, Any]:
+    def stats(self, include_block_hashes: bool = False) -> EngineStats:
         scheduler = self.scheduler
         pool = scheduler.kv.pool
         queries = scheduler.prefix_query_tokens
-        stats: dict[str, Any] = {
-            "num_waiting": scheduler.num_waiting,
-            "num_waiting_interactive": scheduler.waiting.count(Priority.INTERACTIVE),
-            "num_waiting_batch": scheduler.waiting.count(Priority.BATCH),
-            "num_running": scheduler.num_running,
-            "num_free_kv_blocks": pool.num_free_blocks,
-            "num_total_kv_blocks": pool.num_blocks,
-            "num_cached_kv_blocks": pool.num_cached_blocks,
-            "kv_usage": scheduler.kv.usage,
-            "block_size": scheduler.config.block_size,
-            "max_model_len": scheduler.config.max_model_len,
-            "prefix_cache_query_tokens": queries,
-            "prefix_cache_hit_tokens": scheduler.prefix_hit_tokens,
-            "prefix_cache_hit_rate": scheduler.prefix_hit_tokens / queries if queries else 0.0,
-            "num_preemptions": scheduler.num_preemptions,
-            "num_steps": self.num_steps,
-            "prompt_tokens_total": self.num_prompt_tokens_total,
-            "generation_tokens_total": self.num_generated_tokens_total,
-            "requests_finished": dict(self.num_finished),
-            "tokens_per_s": self._rolling.tokens_per_s(self.clock()),
-            "step_time_s": self.step_time_s,
-            "forward_time_s": self.runner.forward_time_s,
-            "execute_time_s": self.runner.execute_time_s,
-        }
-        stats.update(self._rolling.ttft_percentiles())
-        if include_block_hashes:
-            stats["cached_block_hashes"] = pool.cached_hashes()
-        return stats
+        return EngineStats(
+            num_waiting=scheduler.num_waiting,
+            num_waiting_interactive=scheduler.waiting.count(Priority.INTERACTIVE),
+            num_waiting_batch=scheduler.waiting.count(Priority.BATCH),
+            num_running=scheduler.num_running,
+            num_free_kv_blocks=pool.num_free_blocks,
+            num_total_kv_blocks=pool.num_blocks,
+            num_cached_kv_blocks=pool.num_cached_blocks,
+            kv_usage=scheduler.kv.usage,
+            block_size=scheduler.config.block_size,
+            max_model_len=scheduler.config.max_model_len,
+            prefix_cache_query_tokens=queries,
+            prefix_cache_hit_tokens=scheduler.prefix_hit_tokens,
+            prefix_cache_hit_rate=scheduler.prefix_hit_tokens / queries if queries else 0.0,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            prompt_tokens_total=self.num_prompt_tokens_total,
+            generation_tokens_total=self.num_generated_tokens_total,
+            requests_finished=dict(self.num_finished),
+            tokens_per_s=self._rolling.tokens_per_s(self.clock()),
+            step_time_s=self.step_time_s,
+            forward_time_s=self.runner.forward_time_s,
+            execute_time_s=self.runner.execute_time_s,
+            **self._rolling.ttft_percentiles(),
+            cached_block_hashes=tuple(pool.cached_hashes()) if include_block_hashes else None,
+        )
 
 
 def _build_runner(config: EngineConfig) -> tuple[EngineConfig, ModelRunner]:

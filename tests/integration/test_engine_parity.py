@@ -64,8 +64,8 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int
 
 def check_all_blocks_free(engine: LLMEngine) -> None:
     stats = engine.stats()
-    assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
-    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats.num_free_kv_blocks == stats.num_total_kv_blocks
+    assert stats.num_running == stats.num_waiting == 0
 
 
 def assert_parity(tokens, prompts, max_tokens, reference):
@@ -95,7 +95,7 @@ def test_shared_prefix_with_prefix_caching_matches_generate(model_path, referenc
     tokens = run_engine(engine, prompts[1:], max_tokens[1:])
     tokens = {f"r{int(k[1:]) + 1}": v for k, v in tokens.items()} | first
     stats = engine.stats()
-    assert stats["prefix_cache_hit_tokens"] >= 15 * 16 * (len(engine.tokenizer.encode(system)) // 16 - 1)
+    assert stats.prefix_cache_hit_tokens >= 15 * 16 * (len(engine.tokenizer.encode(system)) // 16 - 1)
     assert_parity(tokens, prompts, max_tokens, reference)
     check_all_blocks_free(engine)
 
@@ -105,7 +105,7 @@ def test_cache_small_enough_to_preempt_still_matches_generate(model_path, refere
     prompts = make_prompts(engine.tokenizer, 16)
     max_tokens = [24 + (i * 7) % 17 for i in range(len(prompts))]
     tokens = run_engine(engine, prompts, max_tokens)
-    assert engine.stats()["num_preemptions"] > 0, "the cache was meant to force preemption"
+    assert engine.stats().num_preemptions > 0, "the cache was meant to force preemption"
     assert_parity(tokens, prompts, max_tokens, reference)
     check_all_blocks_free(engine)
 

@@ -36,7 +36,7 @@ def test_same_seed_same_tokens_whatever_the_batch_and_preemption(model_path):
     noise = {f"n{i}": (f"noise request number {i} " * (i + 1), SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True))
              for i in range(6)}
     crowded = generate_all(engine, {"s": ("Seeded sampling is", seeded), **noise})
-    assert engine.stats()["num_preemptions"] > 0
+    assert engine.stats().num_preemptions > 0
     assert crowded["s"] == alone
     other_seed = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, top_k=50, seed=4321, ignore_eos=True)
     different = generate_all(LLMEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=256)),
@@ -64,8 +64,8 @@ def test_async_engine_streams_and_cancel_frees_blocks(model_path):
             if out.num_output_tokens >= 3:
                 break
         stats = await stats_once_aborted(engine)
-        assert stats["num_running"] == 0 and stats["requests_finished"]["abort"] == 1
-        assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
+        assert stats.num_running == 0 and stats.requests_finished["abort"] == 1
+        assert stats.num_free_kv_blocks == stats.num_total_kv_blocks
 
     try:
         asyncio.run(main())
@@ -134,4 +134,4 @@ def test_a_step_that_raises_on_one_request_fails_only_that_request(model_path):
     assert {rid: tokens[rid] for rid in prompts} == solo
     assert generate_all(engine, {"after": ("bystander number 0", greedy)})["after"] == solo["r0"]
     stats = engine.stats()
-    assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
+    assert stats.num_free_kv_blocks == stats.num_total_kv_blocks

@@ -57,7 +57,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
         for out in engine.step():
             tokens[out.request_id].extend(out.new_token_ids)
     stats = engine.stats()
-    assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"] and stats["num_running"] == 0
+    assert stats.num_free_kv_blocks == stats.num_total_kv_blocks and stats.num_running == 0
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
@@ -86,7 +86,7 @@ def test_batched_chunked_prefix_cached_greedy_matches_transformers(smollm2_dir, 
     engine = LLMEngine(EngineConfig(model=smollm2_dir, dtype="float32", max_num_batched_tokens=64, num_kv_blocks=512,
                                     enable_prefix_caching=True))
     ours = run_engine(engine, prompts)
-    assert engine.stats()["prefix_cache_hit_tokens"] > 0, "the shared system prompt must hit the prefix cache"
+    assert engine.stats().prefix_cache_hit_tokens > 0, "the shared system prompt must hit the prefix cache"
     assert_same(ours, reference, prompts)
     assert sum(out[-1] in (IM_END, END_OF_TEXT) for out in reference) >= len(prompts) // 2, "most answers end at EOS"
 
@@ -94,7 +94,7 @@ def test_batched_chunked_prefix_cached_greedy_matches_transformers(smollm2_dir, 
 def test_greedy_under_forced_preemption_matches_transformers(smollm2_dir, prompts, reference):
     engine = LLMEngine(EngineConfig(model=smollm2_dir, dtype="float32", max_num_batched_tokens=128, num_kv_blocks=48))
     ours = run_engine(engine, prompts)
-    assert engine.stats()["num_preemptions"] > 0, "the cache was meant to force preemption"
+    assert engine.stats().num_preemptions > 0, "the cache was meant to force preemption"
     assert_same(ours, reference, prompts)
 
 

@@ -98,7 +98,7 @@ async def stats_once_aborted(engine, attempts: int = 200, interval_s: float = 0.
     the abort is applied by the engine thread between steps)."""
     for _ in range(attempts):
         stats = await engine.stats()
-        if stats["requests_finished"]["abort"] and stats["num_running"] == 0 and stats["num_waiting"] == 0:
+        if stats.requests_finished["abort"] and stats.num_running == 0 and stats.num_waiting == 0:
             break
         await asyncio.sleep(interval_s)
     return stats

@@ -37,7 +37,7 @@ def test_concurrent_streams_get_their_own_tokens():
             assert tokens == reference_tokens(prompts[i], 5 + i)
             assert last.finished and last.finish_reason == "length"
         stats = await engine.stats()
-        assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
+        assert stats.num_free_kv_blocks == stats.num_total_kv_blocks
 
     try:
         asyncio.run(main())
@@ -55,8 +55,8 @@ def test_leaving_the_stream_early_aborts_and_frees_blocks():
             if seen == 3:
                 break
         stats = await stats_once_aborted(engine)
-        assert stats["num_running"] == 0 and stats["requests_finished"]["abort"] == 1
-        assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
+        assert stats.num_running == 0 and stats.requests_finished["abort"] == 1
+        assert stats.num_free_kv_blocks == stats.num_total_kv_blocks
 
     try:
         asyncio.run(main())
@@ -74,7 +74,7 @@ def test_cancelled_task_aborts_request():
         with pytest.raises(asyncio.CancelledError):
             await task
         stats = await stats_once_aborted(engine)
-        assert stats["requests_finished"]["abort"] == 1 and stats["num_running"] == 0
+        assert stats.requests_finished["abort"] == 1 and stats.num_running == 0
 
     try:
         asyncio.run(main())
@@ -92,7 +92,7 @@ def test_bad_requests_raise_before_streaming_and_leave_nothing():
         with pytest.raises(RequestRejected, match="vocabulary"):
             await collect(engine, [5, -1], greedy(2))
         stats = await engine.stats()
-        assert stats["num_waiting"] == stats["num_running"] == 0
+        assert stats.num_waiting == stats.num_running == 0
         tokens, _, _ = await collect(engine, [5, 6], greedy(3))
         assert len(tokens) == 3, "the engine still serves"
 

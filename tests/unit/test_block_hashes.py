@@ -30,7 +30,7 @@ def test_sent_hashes_hit_the_prefix_cache_like_the_engines_own(make_engine):
     run_to_completion(engine)
     engine.add_request("sent", PROMPT, SamplingParams(max_tokens=1), block_hashes=hash_prompt_blocks(PROMPT, 4))
     run_to_completion(engine)
-    assert engine.stats()["prefix_cache_hit_tokens"] == 40
+    assert engine.stats().prefix_cache_hit_tokens == 40
 
 
 @pytest.mark.parametrize("hashes, cache_key, match", [

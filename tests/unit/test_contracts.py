@@ -61,3 +61,22 @@ def test_the_autoscaler_reads_exactly_what_a_load_report_sends():
     (load,) = replica_loads(raw, ["r"])
     assert (load.num_waiting, load.num_running, load.ttft_p90_s, load.oldest_wait_s, load.kv_usage,
             load.num_seats) == (4, 6, 0.9, 1.5, 0.75, 8)
+
+
+def test_engine_stats_are_typed_and_convert_to_a_plain_dict(make_engine):
+    from dataclasses import fields
+
+    from contracts.engine_stats import EngineStats
+    from model_worker import SamplingParams
+    from tests.unit.conftest import run_to_completion
+
+    engine = make_engine(block_size=4)
+    engine.add_request("a", list(range(1, 20)), SamplingParams(max_tokens=3))
+    run_to_completion(engine)
+    stats = engine.stats(include_block_hashes=True)
+    assert isinstance(stats, EngineStats) and stats.requests_finished["length"] == 1
+    plain = stats.to_dict()
+    assert set(plain) == {f.name for f in fields(EngineStats)}
+    assert plain["cached_block_hashes"] == stats.cached_block_hashes
+    assert len(stats.cached_block_hashes) == stats.num_cached_kv_blocks > 0
+    assert engine.stats().cached_block_hashes is None  # only when asked for: it is every hash

@@ -1,6 +1,7 @@
 """The benchmark's engine driver, against a fake engine on a fake clock (no torch, no model)."""
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -49,9 +50,9 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def stats(self) -> dict:
-        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
-                "forward_time_s": self.forward_time_s}
+    def stats(self) -> SimpleNamespace:  # the EngineStats fields the driver reads
+        return SimpleNamespace(num_running=len(self.running), num_waiting=len(self.waiting),
+                               forward_time_s=self.forward_time_s)
 
     def step(self) -> list[FakeOutput]:
         while self.waiting and len(self.running) < self.max_running:

@@ -69,8 +69,8 @@ def run(engine: LLMEngine, requests: dict[str, list[int]], max_tokens: int = 6):
 
 def assert_pool_idle(engine: LLMEngine) -> None:
     stats = engine.stats()
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
-    assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_free_kv_blocks == stats.num_total_kv_blocks
 
 
 def test_a_poisoned_request_fails_alone_and_its_batch_goes_on():
@@ -82,7 +82,7 @@ def test_a_poisoned_request_fails_alone_and_its_batch_goes_on():
         assert finals[request_id].finish_reason == "length"
     assert finals["poison"].finish_reason == "error" and "IndexError" in finals["poison"].error
     assert tokens["poison"] == []
-    assert engine.stats()["requests_finished"]["error"] == 1
+    assert engine.stats().requests_finished["error"] == 1
     assert_pool_idle(engine)
 
 
@@ -137,7 +137,7 @@ def test_a_runner_that_keeps_failing_breaks_the_engine_instead_of_blaming_reques
     engine.add_request("b", [8, 9, 10], greedy(4))
     for _ in range(MAX_RUNNER_FAILURES_IN_A_ROW - 1):
         assert engine.step() == []  # requeued, nobody failed
-    assert engine.stats()["num_waiting"] == 2
+    assert engine.stats().num_waiting == 2
     with pytest.raises(EngineBroken, match="in a row"):
         engine.step()
 

@@ -136,7 +136,7 @@ def test_a_consumer_that_fell_behind_gets_the_backlog_as_one_chunk():
                                                                                         ignore_eos=True)))
         admitted = await stream.__anext__()
         for _ in range(500):  # let the engine finish all 20 steps before reading any
-            if (await server.engine.stats())["requests_finished"]["length"]:
+            if (await server.engine.stats()).requests_finished["length"]:
                 break
             await asyncio.sleep(0.005)
         await asyncio.sleep(0.05)  # the last outputs reach this loop

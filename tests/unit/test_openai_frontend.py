@@ -151,7 +151,7 @@ def test_invalid_requests_get_openai_errors_and_leave_nothing_behind(make_server
         error = r.json()["error"]
         assert (error["param"], error["code"]) == (param, code) and error["message"]
         stats = await server.engine.stats()
-        assert stats["num_waiting"] == stats["num_running"] == 0
+        assert stats.num_waiting == stats.num_running == 0
         ok = await client.post("/v1/completions", json={"prompt": "still fine", "max_tokens": 2})
         assert ok.status_code == 200  # the server kept serving
     run(main())
@@ -242,8 +242,8 @@ def test_leaving_a_stream_aborts_every_request_and_frees_blocks(make_server):
         assert all(chunk["choices"] for chunk in seen)
         await stream.aclose()
         stats = await stats_once_aborted(server.engine)
-        assert stats["requests_finished"]["abort"] == 2
-        assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
+        assert stats.requests_finished["abort"] == 2
+        assert stats.num_free_kv_blocks == stats.num_total_kv_blocks
     run(main())
 
 
@@ -254,7 +254,7 @@ def test_a_stream_never_iterated_is_still_cancelled(make_server):
         events = await service.create("completion", {"prompt": "abc", "max_tokens": 400, "stream": True})
         await events.aclose()
         stats = await stats_once_aborted(server.engine)
-        assert stats["requests_finished"]["abort"] == 1 and stats["num_running"] == 0
+        assert stats.requests_finished["abort"] == 1 and stats.num_running == 0
     run(main())
 
 

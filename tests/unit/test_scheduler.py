@@ -106,7 +106,7 @@ def test_preemption_under_tiny_cache_completes_every_request_exactly(make_engine
     for i in range(6):
         engine.add_request(f"r{i}", prompt(20, i), greedy(40))
     result = run_to_completion(engine)
-    assert engine.stats()["num_preemptions"] > 0, "the cache was meant to be too small"
+    assert engine.stats().num_preemptions > 0, "the cache was meant to be too small"
     for i in range(6):
         assert result["tokens"][f"r{i}"] == reference_tokens(prompt(20, i), 40)
 
@@ -179,7 +179,7 @@ def test_prefix_cache_hits_cost_no_compute_and_give_same_tokens(make_engine):
     assert computed == 42 - 40 + 6 - 1, "the 40 shared tokens (10 full blocks) were not recomputed"
     assert result["tokens"]["second"] == reference_tokens(shared + [10, 11], 6)
     stats = engine.stats()
-    assert stats["prefix_cache_hit_tokens"] == 40
+    assert stats.prefix_cache_hit_tokens == 40
 
 
 def test_fully_cached_prompt_still_computes_last_token(make_engine):
@@ -291,10 +291,10 @@ def test_timings_and_stats(make_engine):
     assert timings.ttft_s == pytest.approx(0.5)
     assert len(timings.token_times_s) == 3
     stats = engine.stats(include_block_hashes=True)
-    assert stats["num_running"] == 0 and stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
-    assert stats["ttft_p50_s"] == pytest.approx(0.5)
-    assert stats["requests_finished"]["length"] == 1
-    assert len(stats["cached_block_hashes"]) == stats["num_cached_kv_blocks"] > 0
+    assert stats.num_running == 0 and stats.num_free_kv_blocks == stats.num_total_kv_blocks
+    assert stats.ttft_p50_s == pytest.approx(0.5)
+    assert stats.requests_finished["length"] == 1
+    assert len(stats.cached_block_hashes) == stats.num_cached_kv_blocks > 0
 
 
 def test_reset_prefix_cache_makes_a_replay_start_cold(make_engine):
@@ -308,7 +308,7 @@ def test_reset_prefix_cache_makes_a_replay_start_cold(make_engine):
     assert engine.reset_prefix_cache()
     engine.add_request("c", prompt(40, 1), greedy(2))
     result = run_to_completion(engine)
-    assert engine.stats()["prefix_cache_hit_tokens"] == 0
+    assert engine.stats().prefix_cache_hit_tokens == 0
     assert result["tokens"]["c"] == reference_tokens(prompt(40, 1), 2)
 
 
