@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from autoscaler.admission import AdmissionController, AdmissionPolicy, Ticket
+from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo, whole_response
 from deployments.errors import APIError, overloaded
 from deployments.openai_service import Backend
-from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo, whole_response
 
 
 class AdmittedBackend:

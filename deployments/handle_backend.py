@@ -39,8 +39,8 @@ from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayTas
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
+from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo, whole_response
 from deployments.errors import APIError, internal, not_ready, overloaded
-from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo, whole_response
 from deployments.retry_policy import RetryPolicy
 
 # What Ray raises when the replica behind a call is gone (killed, crashed, its node lost).

@@ -21,15 +21,15 @@ from typing import Any
 from contracts import LoadReport, RoutingReport
 from contracts.engine_stats import EngineStats
 from contracts.priority import PRIORITIES
+from contracts.sampling import SamplingParams, SamplingParamsError
+from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo, whole_response
 from deployments.errors import APIError, internal, invalid, not_ready, overloaded
 from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, TTFT_BUCKETS_S, Histogram,
                                  family_dict)
-from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo, whole_response
 from model_worker.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed, RequestStream
 from model_worker.config import EngineConfig
 from model_worker.models import served_name
 from model_worker.outputs import RequestOutput
-from model_worker.sampling_params import SamplingParams, SamplingParamsError
 from model_worker.scheduler import RequestRejected
 from model_worker.stats import percentile
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo
 from deployments.llm_server import LLMServer
-from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo
 
 
 class LocalBackend:

@@ -17,8 +17,8 @@ from typing import Any
 
 from contracts.checks import is_int
 from contracts.priority import Priority
+from contracts.sampling import SamplingParams, SamplingParamsError
 from deployments.errors import APIError, invalid
-from model_worker.sampling_params import SamplingParams, SamplingParamsError
 
 # A completions request may batch prompts; more than this in one body is refused.
 MAX_PROMPTS_PER_REQUEST = 256

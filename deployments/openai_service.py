@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
+from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo
 from deployments import openai_protocol as oai
 from deployments.errors import APIError, invalid
 from deployments.metrics import Exposition
-from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo
 from model_worker.hashing import hash_prompt_blocks
 
 

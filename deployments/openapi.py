@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from contracts.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from deployments.openai_protocol import CHAT_ROLES, MAX_PROMPTS_PER_REQUEST
-from model_worker.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 _STOP = {"oneOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS},
                    {"type": "array", "maxItems": MAX_STOP_STRINGS,

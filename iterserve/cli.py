@@ -7,8 +7,8 @@ import asyncio
 import sys
 import time
 
+from contracts.sampling import SamplingParams
 from model_worker.config import EngineConfig
-from model_worker.sampling_params import SamplingParams
 
 DEMO_PROMPTS = [
     "The scheduler decides the batch again before every step, so",

@@ -4,6 +4,7 @@ Importing this package does not import torch; the torch model runner loads when 
 built without an injected runner.
 """
 
+from contracts.sampling import SamplingParams, SamplingParamsError
 from model_worker.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed, RequestStream
 from model_worker.config import EngineConfig
 from model_worker.engine import LLMEngine
@@ -11,7 +12,6 @@ from model_worker.hashing import hash_block_tokens, hash_prompt_blocks
 from model_worker.models import DEFAULT_MODEL, TINY_MODEL, default_model_path, resolve_model
 from model_worker.outputs import RequestOutput
 from model_worker.request import Priority, RequestStatus
-from model_worker.sampling_params import SamplingParams, SamplingParamsError
 from model_worker.scheduler import RequestRejected
 
 

@@ -18,10 +18,10 @@ from typing import Any
 
 from contracts.engine_stats import EngineStats
 from contracts.priority import Priority
+from contracts.sampling import SamplingParams
 from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.engine import LLMEngine
 from model_worker.outputs import RequestOutput
-from model_worker.sampling_params import SamplingParams
 from model_worker.scheduler import RequestRejected
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from model_worker.sampling_params import SamplingParams
+from contracts.sampling import SamplingParams
 
 
 @dataclass(slots=True)

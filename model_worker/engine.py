@@ -19,6 +19,7 @@ from typing import Any
 
 from contracts.checks import is_int
 from contracts.engine_stats import EngineStats
+from contracts.sampling import SamplingParams
 from model_worker.batch import ModelRunner, ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.detokenizer import IncrementalDetokenizer
@@ -26,10 +27,9 @@ from model_worker.fault_isolation import IsolatedStep, execute_isolating
 from model_worker.hashing import ROOT_HASH, hash_block_tokens
 from model_worker.outputs import RequestOutput
 from model_worker.request import Priority, Request, RequestStatus, RequestTimings
-from model_worker.sampling_params import SamplingParams
 from model_worker.scheduler import RequestRejected, make_scheduler
-from model_worker.step_padding import PaddedRunner
 from model_worker.stats import RollingStats
+from model_worker.step_padding import PaddedRunner
 
 # Steps in a row that the runner failed with no request to blame (its probe failed too) before
 # the engine gives up. One is a transient fault (a CUDA OOM spike, an interrupted kernel); three in

@@ -10,8 +10,8 @@ import enum
 from dataclasses import dataclass, field
 
 from contracts.priority import Priority
+from contracts.sampling import SamplingParams
 from model_worker.hashing import ROOT_HASH, hash_block_tokens
-from model_worker.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

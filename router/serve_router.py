@@ -2,8 +2,8 @@
 
 It runs inside every caller's handle (the ingress replicas), so a routing decision is local: no
 RPC and no `ray.get` on the request path. Inputs, freshest first:
-- the request object itself (`GenerateRequest.block_hashes`, computed by the ingress with the
-  engine's hash function);
+- the request object itself (`contracts.serving.GenerateRequest.block_hashes`, computed once by
+  the ingress with the engine's hash function and the request's cache key);
 - Serve's per-replica count of ongoing requests, updated as this router sends and as requests
   finish (the load term);
 - each replica's `record_routing_stats` report, polled by the Serve controller every
@@ -22,6 +22,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from contracts import RoutingReport
+from contracts.serving import GenerateRequest
 from router.policy import ReplicaSnapshot, RouterConfig, make_policy
 from router.prefix_index import PrefixIndex
 
@@ -56,16 +57,16 @@ class PrefixAwareRouter(RequestRouter):
         now_s = time.monotonic()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self._fold_reports(by_id, now_s)
-        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        request = _generate_request(pending_request)
         eligible = _eligible(by_id, request)
-        hashes = list(getattr(request, "block_hashes", None) or ())
+        hashes = request.block_hashes if request is not None else []
         snapshots = [self._snapshot(replica_id, by_id[replica_id], now_s) for replica_id in eligible]
         hits = {rid: self.index.leading_hits(rid, hashes, now_s) for rid in eligible} if hashes else {}
         chosen = self.policy.choose(snapshots, hits, len(hashes), _blocks_needed(request, candidate_replicas))
         if hashes:
             self.index.record_dispatch(chosen, hashes, now_s)
         self._unsent.setdefault(chosen, deque()).append(now_s)
-        if request is not None and hasattr(request, "routed_replica_id"):
+        if request is not None:
             request.routed_replica_id = chosen  # the caller's own object: it names a replica that hangs
         self.decision_times_s.append(time.perf_counter() - started_s)
         # The rest is Serve's fallback, tried (least loaded first) only when the chosen replica does
@@ -106,10 +107,19 @@ class PrefixAwareRouter(RequestRouter):
         return ReplicaSnapshot(replica_id, int(load), report.num_free_kv_blocks, report.num_total_kv_blocks)
 
 
-def _eligible(by_id: dict[str, RunningReplica], request: Any) -> list[str]:
+def _generate_request(pending_request: PendingRequest | None) -> GenerateRequest | None:
+    """The GenerateRequest a call carries (LLMServer's methods take it first), or None for the
+    deployment's other methods (broadcasts, health): those are routed on load alone."""
+    if pending_request is None or not pending_request.args:
+        return None
+    request = pending_request.args[0]
+    return request if isinstance(request, GenerateRequest) else None
+
+
+def _eligible(by_id: dict[str, RunningReplica], request: GenerateRequest | None) -> list[str]:
     """Replica ids a request may go to: not one it already failed on (`avoid_replica_ids`), not
     one whose last report says its engine stopped. If that leaves none, all: a try beats a wait."""
-    avoid = set(getattr(request, "avoid_replica_ids", None) or ())
+    avoid = set(request.avoid_replica_ids) if request is not None else set()
     eligible = [rid for rid, r in by_id.items()
                 if rid not in avoid and getattr(_report(r), "engine_running", True)]
     return eligible or list(by_id)
@@ -119,12 +129,10 @@ def _report(replica: RunningReplica) -> RoutingReport | None:
     return RoutingReport.from_dict(replica.routing_stats)
 
 
-def _blocks_needed(request: Any, replicas: list[RunningReplica]) -> int:
+def _blocks_needed(request: GenerateRequest | None, replicas: list[RunningReplica]) -> int:
     """KV blocks the request will hold at its longest: prompt plus max_tokens, in the block size
     the replicas report (0, no constraint, before any has reported)."""
-    params = getattr(request, "params", None)
-    prompt = getattr(request, "prompt_token_ids", None)
     block_size = next((report.block_size for report in map(_report, replicas) if report and report.block_size), 0)
-    if params is None or prompt is None or not block_size:
+    if request is None or not block_size:
         return 0
-    return -(-(len(prompt) + params.max_tokens) // block_size)
+    return -(-(len(request.prompt_token_ids) + request.params.max_tokens) // block_size)

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from contracts.sampling import SamplingParams
 from model_worker.batch import ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig
 from model_worker.cpu_features import has_native_bf16
@@ -21,7 +22,6 @@ from model_worker.runner.attention import StepLayout, create_attention_backend
 from model_worker.runner.llama import LlamaDecoder
 from model_worker.runner.loader import load_checkpoint, load_eos_token_ids, load_tokenizer
 from model_worker.runner.sampler import Sampler
-from model_worker.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

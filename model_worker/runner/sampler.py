@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from model_worker.sampling_params import SamplingParams
+from contracts.sampling import SamplingParams
 
 # Mixes (seed, output_index) into one generator seed; a prime multiplier keeps neighbouring
 # (seed, index) pairs apart.

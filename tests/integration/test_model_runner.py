@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import model_worker.tiny_model as tiny_model
+from contracts.sampling import SamplingParams
 from model_worker.batch import ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig
 from model_worker.runner import TorchModelRunner
 from model_worker.runner.llama import compute_rope_frequencies
-from model_worker.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration
 

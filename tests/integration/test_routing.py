@@ -10,9 +10,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from deployments.protocol import GenerateRequest
+from contracts.sampling import SamplingParams
+from contracts.serving import GenerateRequest
 from model_worker.hashing import hash_prompt_blocks
-from model_worker.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration
 

@@ -9,11 +9,11 @@ import asyncio
 import pytest
 
 from autoscaler.admission import AdmissionPolicy
+from contracts.sampling import SamplingParams
+from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo
 from deployments.admitted_backend import AdmittedBackend
 from deployments.errors import APIError
 from deployments.openai_service import OpenAIService
-from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo
-from model_worker.sampling_params import SamplingParams
 from tests.unit.fakes import FakeClock
 
 

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 from ray.exceptions import ActorDiedError
 
+from contracts.serving import GenerateRequest
 from deployments.errors import APIError
 from deployments.handle_backend import HandleBackend
 from deployments.llm_server import LLMServer
-from deployments.protocol import GenerateRequest
 from deployments.retry_policy import RetryPolicy
 from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from tests.unit.fakes import ByteTokenizer, FakeKVRunner

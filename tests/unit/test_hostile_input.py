@@ -11,12 +11,12 @@ import httpx
 import pytest
 
 from autoscaler.admission import AdmissionPolicy
+from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo
 from deployments.admitted_backend import AdmittedBackend
 from deployments.errors import APIError
 from deployments.frontend import OpenAIFrontend
 from deployments.llm_server import LLMServer
 from deployments.local_backend import LocalBackend
-from deployments.protocol import GenerateRequest, GenerationChunk, ModelInfo
 from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from tests.unit.fakes import ChatByteTokenizer, FakeKVRunner
 

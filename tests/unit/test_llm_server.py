@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
+from contracts.serving import GenerateRequest
 from deployments.app_config import AppArgs
 from deployments.llm_server import AdmissionConfig, LLMServer, _engine_config
-from deployments.protocol import GenerateRequest
 from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from tests.unit.fakes import FakeClock, FakeKVRunner, reference_tokens
 

@@ -196,7 +196,7 @@ def test_overload_sheds_batch_first_with_retry_after(make_server):
     async def main():
         server = make_server(max_waiting_requests=2, batch_shed_fraction=0.5, retry_after_s=2.5)
         _, client = client_for(server)
-        from deployments.protocol import GenerateRequest
+        from contracts.serving import GenerateRequest
         held = server.generate_stream(GenerateRequest(TOKENIZER.encode("hold")))
         await held.__anext__()  # admitted, and not yet past its first token: one request waiting
         batch = await client.post("/v1/completions", json={"prompt": "x", "priority": "batch"})

@@ -3,9 +3,9 @@ param and code, and what it gets back has OpenAI's shape."""
 
 import pytest
 
+from contracts.sampling import SamplingParams
 from deployments import openai_protocol as oai
 from deployments.errors import APIError
-from model_worker.sampling_params import SamplingParams
 
 SERVED = "tiny-llama"
 USER = [{"role": "user", "content": "hi"}]

@@ -29,7 +29,7 @@ def test_normalisation():
 def test_numerically_unsafe_values_are_clamped_to_safe_ones():
     """float32 sampling turns a temperature or top_p below its resolution into NaN or an empty
     nucleus: such values become the ones that mean the same thing."""
-    from model_worker.sampling_params import GREEDY_BELOW_TEMPERATURE, MIN_TOP_P
+    from contracts.sampling import GREEDY_BELOW_TEMPERATURE, MIN_TOP_P
 
     assert SamplingParams(temperature=1e-300).greedy
     assert SamplingParams(temperature=GREEDY_BELOW_TEMPERATURE / 2).temperature == 0.0

@@ -6,7 +6,7 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from deployments.protocol import GenerateRequest
+from contracts.serving import GenerateRequest
 from model_worker import SamplingParams
 from router import serve_router
 from router.serve_router import PrefixAwareRouter

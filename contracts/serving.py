@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from contracts.priority import Priority
-from model_worker.sampling_params import SamplingParams
+from contracts.sampling import SamplingParams
 
 
 @dataclass(slots=True)
