@@ -56,9 +56,11 @@ class RoutingReport:
         missing = {"replica_id", "report_seq"} - set(stats)
         if missing:
             raise ValueError(f"routing report without {sorted(missing)}: {sorted(stats)}")
-        report = cls(**{k: v for k, v in stats.items() if k in names})
+        values = {k: v for k, v in stats.items() if k in names}
+        values["cached_block_hashes"] = tuple(values.get("cached_block_hashes", ()))
+        report = cls(**values)
         _check_types(report)
-        return dataclasses.replace(report, cached_block_hashes=tuple(report.cached_block_hashes))
+        return report
 
 
 @dataclass(slots=True, frozen=True)

@@ -149,13 +149,6 @@ class Runners:
                                                  dtype=DTYPES[self.dtype])
         return self._built["hf"]
 
-    def hf_cb_options(self) -> hf.HFContinuousOptions:
-        a = self.args
-        given = {"attn_implementation": a.hf_cb_attn, "page_size": a.hf_cb_page_size,
-                 "num_blocks": a.hf_cb_num_blocks, "max_batch_tokens": a.hf_cb_max_batch_tokens,
-                 "max_requests_per_batch": a.hf_cb_max_requests}
-        return hf.HFContinuousOptions(**{k: v for k, v in given.items() if v is not None})
-
     def run(self, system: str, workload: list[BenchRequest], pad_id: int) -> list[RequestRecord]:
         if system in ("continuous", "static"):
             engine = self._engine(system)
@@ -163,13 +156,20 @@ class Runners:
             return run_engine(engine, workload, greedy_params)
         if system == "hf_generate":
             return hf.run_hf_generate(self._hf_model(), workload, self.args.hf_batch_size, pad_id)
-        return hf.run_hf_continuous(self._hf_model(), workload, self.hf_cb_options())
+        return hf.run_hf_continuous(self._hf_model(), workload, hf_cb_options(self.args))
 
     def efficiency(self, token_pool: np.ndarray) -> dict[str, float]:
         result = measure_efficiency(self._engine("continuous"), greedy_params, token_pool)
         return {"efficiency": result.efficiency, "efficiency_forward_s": result.forward_s,
                 "efficiency_wall_s": result.wall_s, "efficiency_steps": result.num_steps,
                 "efficiency_tokens_per_s": result.num_tokens / result.wall_s if result.wall_s else 0.0}
+
+
+def hf_cb_options(a: argparse.Namespace) -> hf.HFContinuousOptions:
+    given = {"attn_implementation": a.hf_cb_attn, "page_size": a.hf_cb_page_size,
+             "num_blocks": a.hf_cb_num_blocks, "max_batch_tokens": a.hf_cb_max_batch_tokens,
+             "max_requests_per_batch": a.hf_cb_max_requests}
+    return hf.HFContinuousOptions(**{k: v for k, v in given.items() if v is not None})
 
 
 def matmul_gflops(threads: int) -> float:
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "num_requests": args.num_requests, "poisson_rate": args.poisson_rate, "seed": args.seed,
         "threads": args.threads, "hf_batch_size": args.hf_batch_size, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
-        "hf_cb": asdict(Runners(args, args.model, args.dtypes[0]).hf_cb_options()), "model": args.model,
+        "hf_cb": asdict(hf_cb_options(args)), "model": args.model,
         "dtypes": args.dtypes, "quick": args.quick, "repeats": args.repeats, "total_s": time.perf_counter() - started,
     }
     print(json.dumps(report))

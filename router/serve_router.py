@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -42,6 +43,9 @@ class PrefixAwareRouter(RequestRouter):
         self.index = PrefixIndex(dispatch_ttl_s)
         # replica id -> the `report_seq` of its last report folded into the index.
         self._report_seq: dict[str, int] = {}
+        # replica id -> (the routing_stats dict Serve last gave, its RoutingReport): a report is
+        # parsed once when it arrives, not at every decision (it carries every cached hash).
+        self._parsed: dict[str, tuple[Any, RoutingReport | None]] = {}
         # Seconds per decision, for the overhead figure in docs/architecture.md.
         self.decision_times_s: deque[float] = deque(maxlen=10_000)
         # replica id -> times of choices not sent yet. Serve counts a request against a replica
@@ -56,13 +60,13 @@ class PrefixAwareRouter(RequestRouter):
         started_s = time.perf_counter()
         now_s = time.monotonic()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        self._fold_reports(by_id, now_s)
+        reports = self._fold_reports(by_id, now_s)
         request = _generate_request(pending_request)
-        eligible = _eligible(by_id, request)
+        eligible = _eligible(reports, request)
         hashes = request.block_hashes if request is not None else []
         snapshots = [self._snapshot(replica_id, by_id[replica_id], now_s) for replica_id in eligible]
         hits = {rid: self.index.leading_hits(rid, hashes, now_s) for rid in eligible} if hashes else {}
-        chosen = self.policy.choose(snapshots, hits, len(hashes), _blocks_needed(request, candidate_replicas))
+        chosen = self.policy.choose(snapshots, hits, len(hashes), _blocks_needed(request, reports.values()))
         if hashes:
             self.index.record_dispatch(chosen, hashes, now_s)
         self._unsent.setdefault(chosen, deque()).append(now_s)
@@ -81,21 +85,32 @@ class PrefixAwareRouter(RequestRouter):
         if unsent:
             unsent.popleft()
 
-    def _fold_reports(self, by_id: dict[str, RunningReplica], now_s: float) -> None:
-        """Take in each replica's newest report once; forget replicas that are gone."""
-        for replica_id, replica in by_id.items():
-            report = _report(replica)
-            if report is not None and self._report_seq.get(replica_id) != report.report_seq:
-                self._report_seq[replica_id] = report.report_seq
-                self.index.update(replica_id, report.cached_block_hashes, now_s)
-        if self.index.replica_ids - set(by_id):
+    def _fold_reports(self, by_id: dict[str, RunningReplica], now_s: float) -> dict[str, RoutingReport | None]:
+        """Each candidate's report (None before its first); a new one is parsed and folded into
+        the index once. Replicas that are gone are forgotten."""
+        reports = {replica_id: self._report_of(replica_id, replica, now_s) for replica_id, replica in by_id.items()}
+        if self.index.replica_ids - set(by_id) or set(self._parsed) - set(by_id):
             self.index.retain(by_id)
             self._report_seq = {k: v for k, v in self._report_seq.items() if k in by_id}
+            self._parsed = {k: v for k, v in self._parsed.items() if k in by_id}
+        return reports
+
+    def _report_of(self, replica_id: str, replica: RunningReplica, now_s: float) -> RoutingReport | None:
+        stats = replica.routing_stats
+        parsed = self._parsed.get(replica_id)
+        if parsed is not None and parsed[0] is stats:
+            return parsed[1]
+        report = RoutingReport.from_dict(stats)
+        self._parsed[replica_id] = (stats, report)
+        if report is not None and self._report_seq.get(replica_id) != report.report_seq:
+            self._report_seq[replica_id] = report.report_seq
+            self.index.update(replica_id, report.cached_block_hashes, now_s)
+        return report
 
     def _snapshot(self, replica_id: str, replica: RunningReplica, now_s: float) -> ReplicaSnapshot:
         """Load is Serve's count of requests sent to the replica and not finished (fresh, kept by
         every caller's router); before Serve has one, the replica's last report."""
-        report = _report(replica) or RoutingReport(replica_id, 0)
+        report = self._report_of(replica_id, replica, now_s) or RoutingReport(replica_id, 0)
         ongoing = self.replica_queue_len_cache.get(replica.replica_id)
         load = ongoing if ongoing is not None else report.num_queued + report.num_running
         unsent = self._unsent.get(replica_id)
@@ -116,23 +131,19 @@ def _generate_request(pending_request: PendingRequest | None) -> GenerateRequest
     return request if isinstance(request, GenerateRequest) else None
 
 
-def _eligible(by_id: dict[str, RunningReplica], request: GenerateRequest | None) -> list[str]:
+def _eligible(reports: dict[str, RoutingReport | None], request: GenerateRequest | None) -> list[str]:
     """Replica ids a request may go to: not one it already failed on (`avoid_replica_ids`), not
     one whose last report says its engine stopped. If that leaves none, all: a try beats a wait."""
     avoid = set(request.avoid_replica_ids) if request is not None else set()
-    eligible = [rid for rid, r in by_id.items()
-                if rid not in avoid and getattr(_report(r), "engine_running", True)]
-    return eligible or list(by_id)
+    eligible = [rid for rid, report in reports.items()
+                if rid not in avoid and (report is None or report.engine_running)]
+    return eligible or list(reports)
 
 
-def _report(replica: RunningReplica) -> RoutingReport | None:
-    return RoutingReport.from_dict(replica.routing_stats)
-
-
-def _blocks_needed(request: GenerateRequest | None, replicas: list[RunningReplica]) -> int:
+def _blocks_needed(request: GenerateRequest | None, reports: Iterable[RoutingReport | None]) -> int:
     """KV blocks the request will hold at its longest: prompt plus max_tokens, in the block size
     the replicas report (0, no constraint, before any has reported)."""
-    block_size = next((report.block_size for report in map(_report, replicas) if report and report.block_size), 0)
+    block_size = next((report.block_size for report in reports if report and report.block_size), 0)
     if request is None or not block_size:
         return 0
     return -(-(len(request.prompt_token_ids) + request.params.max_tokens) // block_size)

@@ -6,6 +6,7 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+from contracts import RoutingReport
 from contracts.serving import GenerateRequest
 from model_worker import SamplingParams
 from router import serve_router
@@ -136,5 +137,6 @@ def test_before_any_report_every_replica_is_a_candidate_and_no_block_size_is_ass
     fresh = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=u), routing_stats={}) for u in "ab"]
     ranked = choose(router, fresh, GenerateRequest([1] * 40, SamplingParams(max_tokens=8)))
     assert sorted(ids(ranked)[0] + (ids(ranked)[1] if len(ranked) > 1 else [])) == ["a", "b"]
-    assert serve_router._blocks_needed(GenerateRequest([1] * 40, SamplingParams(max_tokens=8)), fresh) == 0
-    assert serve_router._blocks_needed(GenerateRequest([1] * 40, SamplingParams(max_tokens=8)), [replica("a")]) == 3
+    reported = RoutingReport.from_dict(replica("a").routing_stats)
+    assert serve_router._blocks_needed(GenerateRequest([1] * 40, SamplingParams(max_tokens=8)), [None, None]) == 0
+    assert serve_router._blocks_needed(GenerateRequest([1] * 40, SamplingParams(max_tokens=8)), [reported]) == 3
