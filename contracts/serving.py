@@ -43,24 +43,56 @@ class GenerateRequest:
 
 
 @dataclass(slots=True)
+class RequestTimings:
+    """Wall-clock seconds (time.monotonic, on the engine's clock) of a request's milestones; None
+    until reached."""
+
+    arrival_s: float
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    # One entry per output token, when it was sampled.
+    token_times_s: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.first_scheduled_s is None else self.first_scheduled_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finished_s is None else self.finished_s - self.arrival_s
+
+
+@dataclass(slots=True)
 class GenerationChunk:
-    """One step's progress of a request; the unary call returns a single finished chunk."""
+    """One step's progress of a request: what the engine's step returns for each request that made
+    progress, and, as it is, what a replica streams (several coalesced by `extend`). The unary call
+    returns a single finished chunk."""
 
     request_id: str
     # Text that became final in this chunk (never half a UTF-8 character, never a stop string).
     text: str = ""
+    # Token ids sampled in this chunk (an EOS or stop token id included).
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
-    # "stop" or "length" once finished ("abort" only if the engine aborted it).
+    # "stop" (EOS, stop string or stop token), "length" (max_tokens), "abort" (aborted), "error"
+    # (the step failed on this request: `error` says how), or None while running.
     finish_reason: str | None = None
     # The stop string or stop token id that ended it, if one did.
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
+    # Output tokens so far, this chunk's included.
     num_output_tokens: int = 0
-    # Prompt tokens served from this replica's prefix cache.
+    # Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
-    # Set on the finished chunk: ttft_s, e2e_s, queue_s (engine-side seconds).
-    metrics: dict[str, float] | None = None
+    # Set on the finished chunk: the engine-side milestones (TTFT, queue time, E2E, token times).
+    timings: RequestTimings | None = None
+    # Why the request failed, with finish_reason "error"; None otherwise.
+    error: str | None = None
     # The LLMServer replica that served the request (routing tests and debugging).
     replica_id: str | None = None
     # No progress, only proof of life: the replica and its engine thread are working (sent about
@@ -80,7 +112,8 @@ class GenerationChunk:
         self.num_prompt_tokens = later.num_prompt_tokens
         self.num_output_tokens = later.num_output_tokens
         self.num_cached_tokens = later.num_cached_tokens
-        self.metrics = later.metrics
+        self.timings = later.timings
+        self.error = later.error
         self.replica_id = later.replica_id or self.replica_id
 
 

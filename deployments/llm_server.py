@@ -29,7 +29,6 @@ from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, 
 from model_worker.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed, RequestStream
 from model_worker.config import EngineConfig
 from model_worker.models import served_name
-from model_worker.outputs import RequestOutput
 from model_worker.scheduler import RequestRejected
 from model_worker.stats import percentile
 
@@ -154,9 +153,9 @@ class LLMServer:
                     if self.engine.seconds_since_alive() < self.engine_stall_s:
                         yield GenerationChunk(request.request_id, keepalive=True, replica_id=self.replica_id)
                     continue
-                chunk = _chunk(out)
+                chunk = out  # the engine's output is the stream chunk
                 for later in stream.ready():
-                    chunk.extend(_chunk(later))
+                    chunk.extend(later)
                     out = later
                 if waiting and chunk.token_ids:
                     waiting = False
@@ -211,7 +210,7 @@ class LLMServer:
         while self._recent_ttfts_s and self._recent_ttfts_s[0][0] < now_s - self.ttft_window_s:
             self._recent_ttfts_s.popleft()
 
-    def _observe(self, out: RequestOutput, resumed: bool = False) -> None:
+    def _observe(self, out: GenerationChunk, resumed: bool = False) -> None:
         timings = out.timings
         if timings is None or out.finish_reason == "abort":
             return
@@ -303,7 +302,7 @@ class LLMServer:
             engine.shutdown(timeout_s=1.0)
 
 
-async def _outputs(stream: RequestStream, tick_s: float) -> AsyncIterator[RequestOutput | None]:
+async def _outputs(stream: RequestStream, tick_s: float) -> AsyncIterator[GenerationChunk | None]:
     """The stream's outputs, with None whenever tick_s passed without one; errors as APIErrors."""
     try:
         while True:
@@ -320,18 +319,6 @@ async def _outputs(stream: RequestStream, tick_s: float) -> AsyncIterator[Reques
         raise
     except Exception as exc:
         raise internal(f"generation failed: {type(exc).__name__}: {exc}") from None
-
-
-def _chunk(out: RequestOutput) -> GenerationChunk:
-    chunk = GenerationChunk(out.request_id, text=out.text_delta, token_ids=list(out.new_token_ids),
-                            finished=out.finished, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                            num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
-                            num_cached_tokens=out.num_cached_tokens)
-    timings = out.timings
-    if out.finished and timings is not None:
-        chunk.metrics = {"ttft_s": timings.ttft_s, "queue_s": timings.queue_s,
-                         "e2e_s": None if timings.finished_s is None else timings.finished_s - timings.arrival_s}
-    return chunk
 
 
 def _import_model_code() -> None:

@@ -66,9 +66,9 @@ async def _demo(args: argparse.Namespace) -> int:
         async def run(index: int, prompt: str) -> None:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed + index)
             async for out in engine.generate(prompt, params, request_id=f"demo-{index}"):
-                texts[index] += out.text_delta
-                if out.text_delta:
-                    print(f"[{index}] +{out.text_delta!r}", flush=True)
+                texts[index] += out.text
+                if out.text:
+                    print(f"[{index}] +{out.text!r}", flush=True)
                 if out.finished:
                     ttft = out.timings.ttft_s if out.timings else float("nan")
                     print(f"[{index}] finished ({out.finish_reason}, {out.num_output_tokens} tokens, "
@@ -93,7 +93,7 @@ async def _generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         async for out in engine.generate(args.prompt, params):
-            print(out.text_delta, end="", flush=True)
+            print(out.text, end="", flush=True)
         print()
     finally:
         engine.shutdown()

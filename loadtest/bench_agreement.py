@@ -62,7 +62,7 @@ def engine_outputs(path: str, dtype: str, prompts: list[list[int]], max_tokens: 
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished():
         for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
+            tokens[out.request_id].extend(out.token_ids)
     return [tokens[str(i)] for i in range(len(prompts))], time.perf_counter() - started_s
 
 

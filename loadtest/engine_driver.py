@@ -45,8 +45,8 @@ def run_engine(engine: Any, workload: list[BenchRequest], make_params: Callable[
         t = clock() - start
         for out in outputs:
             rec = records[out.request_id]
-            if out.new_token_ids:
-                num_tokens[out.request_id] += len(out.new_token_ids)
+            if out.token_ids:
+                num_tokens[out.request_id] += len(out.token_ids)
                 if rec.first_token_s is None:
                     rec.first_token_s = t
             if out.finished:
@@ -102,7 +102,7 @@ def measure_efficiency(engine: Any, make_params: Callable[[int], Any], token_poo
             forward_s += engine.stats().forward_time_s - forward_before
             wall_s += t1 - t0
             num_steps += 1
-            num_tokens += sum(len(o.new_token_ids) for o in outputs)
+            num_tokens += sum(len(o.token_ids) for o in outputs)
     if num_steps == 0:
         raise RuntimeError(f"never had {num_seqs} requests running at once: raise max_num_seqs or the KV cache")
     return Efficiency(forward_s, wall_s, num_steps, num_tokens)

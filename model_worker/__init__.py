@@ -5,12 +5,12 @@ built without an injected runner.
 """
 
 from contracts.sampling import SamplingParams, SamplingParamsError
+from contracts.serving import GenerationChunk
 from model_worker.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed, RequestStream
 from model_worker.config import EngineConfig
 from model_worker.engine import LLMEngine
 from model_worker.hashing import hash_block_tokens, hash_prompt_blocks
 from model_worker.models import DEFAULT_MODEL, TINY_MODEL, default_model_path, resolve_model
-from model_worker.outputs import RequestOutput
 from model_worker.request import Priority, RequestStatus
 from model_worker.scheduler import RequestRejected
 
@@ -23,8 +23,8 @@ def tiny_model_path(cache_dir: str | None = None) -> str:
 
 
 __all__ = [
-    "DEFAULT_MODEL", "TINY_MODEL", "AsyncLLMEngine", "EngineConfig", "EngineDeadError", "LLMEngine", "Priority",
-    "RequestFailed", "RequestOutput", "RequestRejected", "RequestStream", "RequestStatus", "SamplingParams",
+    "DEFAULT_MODEL", "TINY_MODEL", "AsyncLLMEngine", "EngineConfig", "EngineDeadError", "GenerationChunk",
+    "LLMEngine", "Priority", "RequestFailed", "RequestRejected", "RequestStream", "RequestStatus", "SamplingParams",
     "SamplingParamsError", "default_model_path", "hash_block_tokens", "hash_prompt_blocks", "resolve_model",
     "tiny_model_path",
 ]

@@ -19,9 +19,9 @@ from typing import Any
 from contracts.engine_stats import EngineStats
 from contracts.priority import Priority
 from contracts.sampling import SamplingParams
+from contracts.serving import GenerationChunk
 from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.engine import LLMEngine
-from model_worker.outputs import RequestOutput
 from model_worker.scheduler import RequestRejected
 
 
@@ -46,7 +46,7 @@ class RequestStream:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: "AsyncLLMEngine") -> None:
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException | object] = asyncio.Queue()
+        self.queue: asyncio.Queue[GenerationChunk | BaseException | object] = asyncio.Queue()
         self.finished = False
         self._owner = owner
         self._error: BaseException | None = None
@@ -54,11 +54,11 @@ class RequestStream:
     def __aiter__(self) -> "RequestStream":
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> GenerationChunk:
         if self.finished:
             raise StopAsyncIteration
         if self._error is not None:
-            item: RequestOutput | BaseException | object = self._error
+            item: GenerationChunk | BaseException | object = self._error
         else:
             try:
                 item = await self.queue.get()
@@ -69,7 +69,7 @@ class RequestStream:
                 raise
         return self._accept(item)
 
-    async def next_within(self, timeout_s: float) -> RequestOutput | None:
+    async def next_within(self, timeout_s: float) -> GenerationChunk | None:
         """The next output, or None if none came within timeout_s; the request stays live (a
         consumer sends keep-alives meanwhile). Raises StopAsyncIteration after the last output.
         The wait is a timer that queues a tick, not a task per output: it costs a heap push."""
@@ -89,7 +89,7 @@ class RequestStream:
             timer.cancel()
         return None if item is _TICK else self._accept(item)
 
-    def _accept(self, item: RequestOutput | BaseException) -> RequestOutput:
+    def _accept(self, item: GenerationChunk | BaseException) -> GenerationChunk:
         if isinstance(item, BaseException):
             self.finished = True
             self._owner._forget(self.request_id)
@@ -99,11 +99,11 @@ class RequestStream:
             self._owner._forget(self.request_id)
         return item
 
-    def ready(self) -> list[RequestOutput]:
+    def ready(self) -> list[GenerationChunk]:
         """Outputs already delivered and not yet taken, without waiting: a consumer that fell
         behind the engine takes them together. Stops after a finished output; an error stays
         queued for the next `__anext__`."""
-        taken: list[RequestOutput] = []
+        taken: list[GenerationChunk] = []
         while not self.finished and self._error is None and not self.queue.empty():
             item = self.queue.get_nowait()
             if item is _TICK:
@@ -220,7 +220,7 @@ class AsyncLLMEngine:
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: Priority | str | int = Priority.INTERACTIVE,
                        cache_key: str | None = None, resumed_token_ids: Sequence[int] = (),
-                       block_hashes: Sequence[int] | None = None) -> AsyncIterator[RequestOutput]:
+                       block_hashes: Sequence[int] | None = None) -> AsyncIterator[GenerationChunk]:
         """Stream a request's outputs. Leaving the loop early (break, cancel) aborts it."""
         stream = self.add_request(prompt, params, request_id=request_id, priority=priority, cache_key=cache_key,
                                   resumed_token_ids=resumed_token_ids, block_hashes=block_hashes)
@@ -302,8 +302,8 @@ class AsyncLLMEngine:
         while self._commands:
             self._commands.popleft()()
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+    def _dispatch(self, outputs: list[GenerationChunk]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, GenerationChunk]]] = {}
         with self._streams_lock:
             for out in outputs:
                 stream = self._streams.get(out.request_id)
@@ -327,7 +327,7 @@ class AsyncLLMEngine:
                 pass
 
 
-def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[RequestStream, GenerationChunk]]) -> None:
     for stream, out in items:
         stream.queue.put_nowait(RequestFailed(out.error) if out.error is not None else out)
 

@@ -20,13 +20,13 @@ from typing import Any
 from contracts.checks import is_int
 from contracts.engine_stats import EngineStats
 from contracts.sampling import SamplingParams
+from contracts.serving import GenerationChunk, RequestTimings
 from model_worker.batch import ModelRunner, ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.detokenizer import IncrementalDetokenizer
 from model_worker.fault_isolation import IsolatedStep, execute_isolating
 from model_worker.hashing import ROOT_HASH, hash_block_tokens
-from model_worker.outputs import RequestOutput
-from model_worker.request import Priority, Request, RequestStatus, RequestTimings
+from model_worker.request import Priority, Request, RequestStatus
 from model_worker.scheduler import RequestRejected, make_scheduler
 from model_worker.stats import RollingStats
 from model_worker.step_padding import PaddedRunner
@@ -198,10 +198,10 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[GenerationChunk]:
         start_s = self.clock()
         batch = self.scheduler.schedule()
-        outputs: dict[str, RequestOutput] = {}
+        outputs: dict[str, GenerationChunk] = {}
         sampled: list[int] = []
         if not batch.is_empty:
             batch, sampled = self._execute(batch, outputs)
@@ -220,7 +220,7 @@ class LLMEngine:
 
     # ---- fault containment ---------------------------------------------------------------------
 
-    def _execute(self, batch: SchedulerOutput, outputs: dict[str, RequestOutput]) -> tuple[SchedulerOutput, list[int]]:
+    def _execute(self, batch: SchedulerOutput, outputs: dict[str, GenerationChunk]) -> tuple[SchedulerOutput, list[int]]:
         """The runner over the batch; the sequences that ran and their tokens. Culprits of a
         failure get an error output; a failure with no culprit requeues the batch."""
         isolated = execute_isolating(self.runner.execute, batch, self._probe_runner)
@@ -232,7 +232,7 @@ class LLMEngine:
             return isolated.batch, isolated.sampled
         return self._drop_culprits(isolated, outputs)
 
-    def _drop_culprits(self, isolated: IsolatedStep, outputs: dict[str, RequestOutput]
+    def _drop_culprits(self, isolated: IsolatedStep, outputs: dict[str, GenerationChunk]
                        ) -> tuple[SchedulerOutput, list[int]]:
         """Fail each culprit. A survivor that reads a block a culprit was to write this step (a
         prefix hit taken in the same step) read garbage: it is recomputed, its token dropped."""
@@ -296,23 +296,23 @@ class LLMEngine:
     def _num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 
-    def _fail(self, request: Request, message: str) -> RequestOutput:
+    def _fail(self, request: Request, message: str) -> GenerationChunk:
         """End a live request with an error output; its blocks are freed at once."""
         self._detokenizers.pop(request.request_id, None)
         self.scheduler.abort(request.request_id)
         self.num_finished["error"] += 1
-        return RequestOutput(request_id=request.request_id, finished=True, finish_reason="error", error=message,
+        return GenerationChunk(request_id=request.request_id, finished=True, finish_reason="error", error=message,
                              num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
                              num_cached_tokens=max(request.num_cached_tokens, 0), timings=request.timings)
 
-    def _progress_output_or_error(self, request: Request) -> RequestOutput:
+    def _progress_output_or_error(self, request: Request) -> GenerationChunk:
         """A tokenizer that raises on one request's tokens fails that request alone."""
         try:
             return self._progress_output(request)
         except Exception as exc:
             return self._fail(request, f"detokenizing this request failed: {type(exc).__name__}: {exc}")
 
-    def _progress_output(self, request: Request) -> RequestOutput:
+    def _progress_output(self, request: Request) -> GenerationChunk:
         token = request.output_token_ids[-1]
         text = ""
         detokenizer = self._detokenizers.get(request.request_id)
@@ -321,21 +321,21 @@ class LLMEngine:
             if detokenizer.stopped_on is not None and not request.status.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED,
                                               stop_reason=detokenizer.stopped_on)
-        return RequestOutput(request_id=request.request_id, new_token_ids=[token], text_delta=text,
+        return GenerationChunk(request_id=request.request_id, token_ids=[token], text=text,
                              num_prompt_tokens=request.num_prompt_tokens,
                              num_output_tokens=request.num_output_tokens,
                              num_cached_tokens=max(request.num_cached_tokens, 0))
 
-    def _finish_output(self, request: Request, outputs: dict[str, RequestOutput]) -> None:
+    def _finish_output(self, request: Request, outputs: dict[str, GenerationChunk]) -> None:
         out = outputs.get(request.request_id)
         if out is None:
-            out = outputs[request.request_id] = RequestOutput(
+            out = outputs[request.request_id] = GenerationChunk(
                 request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens,
                 num_output_tokens=request.num_output_tokens,
                 num_cached_tokens=max(request.num_cached_tokens, 0))
         detokenizer = self._detokenizers.pop(request.request_id, None)
         if detokenizer is not None:
-            out.text_delta += detokenizer.flush()
+            out.text += detokenizer.flush()
         out.finished = True
         out.finish_reason = request.status.finish_reason
         out.stop_reason = request.stop_reason

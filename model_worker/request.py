@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from contracts.priority import Priority
 from contracts.sampling import SamplingParams
+from contracts.serving import RequestTimings
 from model_worker.hashing import ROOT_HASH, hash_block_tokens
 
 
@@ -37,26 +38,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
-
-
-@dataclass(slots=True)
-class RequestTimings:
-    """Wall-clock seconds (time.monotonic) of a request's milestones; None until reached."""
-
-    arrival_s: float
-    first_scheduled_s: float | None = None
-    first_token_s: float | None = None
-    finished_s: float | None = None
-    # One entry per output token, when it was sampled.
-    token_times_s: list[float] = field(default_factory=list)
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
-
-    @property
-    def queue_s(self) -> float | None:
-        return None if self.first_scheduled_s is None else self.first_scheduled_s - self.arrival_s
 
 
 @dataclass(slots=True, eq=False)

@@ -58,7 +58,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
     return tokens
 
 
@@ -126,6 +126,6 @@ def test_text_prompt_and_streamed_text(model_path):
     text, ids = "", []
     while engine.has_unfinished():
         for out in engine.step():
-            text += out.text_delta
-            ids += out.new_token_ids
+            text += out.text
+            ids += out.token_ids
     assert text == tokenizer.decode(ids, skip_special_tokens=True)

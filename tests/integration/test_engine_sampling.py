@@ -23,7 +23,7 @@ def generate_all(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParam
     tokens: dict[str, list[int]] = {rid: [] for rid in requests}
     while engine.has_unfinished():
         for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
+            tokens[out.request_id] += out.token_ids
     return tokens
 
 
@@ -76,8 +76,8 @@ def test_async_engine_streams_and_cancel_frees_blocks(model_path):
 async def _text(engine: AsyncLLMEngine, prompt: str, params: SamplingParams) -> tuple[str, int]:
     text, ids = "", []
     async for out in engine.generate(prompt, params):
-        text += out.text_delta
-        ids += out.new_token_ids
+        text += out.text
+        ids += out.token_ids
     # The random model can emit byte sequences that are not UTF-8 at all (shown as U+FFFD by any
     # decode); what streaming must never do is split a character the full decode keeps whole.
     assert text == engine.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
@@ -127,7 +127,7 @@ def test_a_step_that_raises_on_one_request_fails_only_that_request(model_path):
     finals = {}
     while engine.has_unfinished():
         for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
+            tokens[out.request_id] += out.token_ids
             if out.finished:
                 finals[out.request_id] = out
     assert finals["poison"].finish_reason == "error" and "IndexError" in finals["poison"].error

@@ -55,7 +55,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     while engine.has_unfinished():
         for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
+            tokens[out.request_id].extend(out.token_ids)
     stats = engine.stats()
     assert stats.num_free_kv_blocks == stats.num_total_kv_blocks and stats.num_running == 0
     return [tokens[f"r{i}"] for i in range(len(prompts))]
@@ -121,7 +121,7 @@ def test_a_gguf_file_given_directly_is_converted_once_and_served(smollm2_dir, mo
     engine.add_request("q", prompt, SamplingParams(max_tokens=20, temperature=0))
     text = ""
     while engine.has_unfinished():
-        text += "".join(out.text_delta for out in engine.step())
+        text += "".join(out.text for out in engine.step())
     assert "Paris" in text
 
 

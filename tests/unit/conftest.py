@@ -37,7 +37,7 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, l
         if not engine.has_unfinished():
             break
         for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
             if out.finished:
                 finished_at[out.request_id] = step
     assert not engine.has_unfinished(), "engine did not finish"

@@ -17,8 +17,8 @@ def make_async(num_kv_blocks=512, block_size=4, vocab_size=1000, tokenizer=None,
 async def collect(engine, prompt, params, **kw):
     tokens, text, last = [], "", None
     async for out in engine.generate(prompt, params, **kw):
-        tokens += out.new_token_ids
-        text += out.text_delta
+        tokens += out.token_ids
+        text += out.text
         last = out
     return tokens, text, last
 
@@ -153,8 +153,8 @@ def test_a_resumed_request_continues_exactly_where_another_engine_stopped():
             tokens, text_after = [], []  # text_after[i]: text emitted once i + 1 tokens were out
             text = ""
             async for out in whole.generate(prompt, params):
-                tokens += out.new_token_ids
-                text += out.text_delta
+                tokens += out.token_ids
+                text += out.text
                 text_after.append(text)
             for cut in (1, 5, 11):
                 more, more_text, more_last = await collect(resumed_engine, prompt, params,
@@ -200,8 +200,8 @@ def test_next_within_returns_none_while_waiting_and_every_output_in_order():
             if out is None:
                 nones += 1
                 continue
-            tokens += out.new_token_ids
-            tokens += [t for later in stream.ready() for t in later.new_token_ids]
+            tokens += out.token_ids
+            tokens += [t for later in stream.ready() for t in later.token_ids]
         assert tokens == reference_tokens([5, 6, 7], 6)
         assert nones >= 6  # steps are 30 ms, polls 5 ms
 

@@ -80,3 +80,38 @@ def test_engine_stats_are_typed_and_convert_to_a_plain_dict(make_engine):
     assert plain["cached_block_hashes"] == stats.cached_block_hashes
     assert len(stats.cached_block_hashes) == stats.num_cached_kv_blocks > 0
     assert engine.stats().cached_block_hashes is None  # only when asked for: it is every hash
+
+
+def test_the_engines_step_output_is_the_stream_chunk_and_folds_into_one_answer(make_engine):
+    import asyncio
+
+    from contracts.serving import GenerationChunk, whole_response
+    from model_worker import SamplingParams
+
+    engine = make_engine(block_size=4)
+    engine.add_request("a", list(range(1, 10)), SamplingParams(max_tokens=4))
+    chunks = []
+    while engine.has_unfinished():
+        chunks.extend(engine.step())
+    assert chunks and all(type(c) is GenerationChunk for c in chunks)
+    assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+    async def stream():
+        yield GenerationChunk("a", keepalive=True)
+        for c in chunks:
+            yield c
+
+    whole = asyncio.run(whole_response("a", stream()))
+    assert whole.token_ids == [t for c in chunks for t in c.token_ids] and len(whole.token_ids) == 4
+    assert whole.finish_reason == "length" and whole.num_output_tokens == 4 and whole.num_prompt_tokens == 9
+    timings = whole.timings
+    assert timings is not None and len(timings.token_times_s) == 4
+    assert timings.e2e_s == timings.finished_s - timings.arrival_s and timings.ttft_s <= timings.e2e_s
+
+
+def test_a_failed_chunk_carries_its_error_into_the_folded_answer():
+    from contracts.serving import GenerationChunk
+
+    whole = GenerationChunk("a", token_ids=[1], text="x")
+    whole.extend(GenerationChunk("a", finished=True, finish_reason="error", error="boom", num_output_tokens=1))
+    assert (whole.text, whole.token_ids, whole.finished, whole.finish_reason, whole.error) == ("x", [1], True, "error", "boom")

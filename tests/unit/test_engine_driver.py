@@ -26,7 +26,7 @@ class FakeClock:
 @dataclass
 class FakeOutput:
     request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     finished: bool = False
 
 

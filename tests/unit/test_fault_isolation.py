@@ -61,7 +61,7 @@ def run(engine: LLMEngine, requests: dict[str, list[int]], max_tokens: int = 6):
     finals = {}
     while engine.has_unfinished():
         for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
+            tokens[out.request_id] += out.token_ids
             if out.finished:
                 finals[out.request_id] = out
     return tokens, finals
@@ -148,7 +148,7 @@ def test_async_engine_reports_the_culprit_and_keeps_serving():
     async def collect(request_id, prompt):
         tokens = []
         async for out in engine.generate(prompt, greedy(6), request_id=request_id):
-            tokens += out.new_token_ids
+            tokens += out.token_ids
         return tokens
 
     async def main():

@@ -24,7 +24,7 @@ def step_log(engine, steps: int, tokens: dict | None = None):
         outs = engine.step()
         for out in outs:
             if tokens is not None:
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                tokens.setdefault(out.request_id, []).extend(out.token_ids)
         log.append(({r.request_id for r in engine.scheduler.running},
                     {o.request_id for o in outs if o.finished}))
     return log
@@ -58,7 +58,7 @@ def test_static_batching_holds_short_result_until_batch_ends(make_engine):
     while engine.has_unfinished():
         step += 1
         for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
             if out.finished:
                 finished_at[out.request_id] = step
         if step <= 64:
@@ -327,7 +327,7 @@ def test_emulated_step_time_pads_each_step_with_a_sleep():
     started = time.monotonic()
     while engine.has_unfinished():
         for out in engine.step():
-            tokens.extend(out.new_token_ids)
+            tokens.extend(out.token_ids)
     assert time.monotonic() - started >= 6 * 0.02
     assert tokens == reference_tokens(prompt(6, 1), 6)
 
