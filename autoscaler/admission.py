@@ -1,9 +1,13 @@
-"""Admission control at the ingress: a bounded queue that sheds batch traffic first. Pure: standard
-library only, the clock passed in.
+"""Admission control: a bounded queue that sheds batch traffic first. Pure (no torch, no Ray), the
+clock passed in.
 
-The ingress calls `admit(priority)` before it sends a generation request to an engine replica. The
-queue it guards is this ingress's requests that were sent but have no first token yet: their wait
-is what users feel as TTFT, and it is what grows when the replicas fall behind.
+One module for both places that admit work. The ingress calls `admit(priority)` before it sends a
+generation request to an engine replica; each LLMServer replica calls it again before its engine
+takes the request (the backstop behind the ingress, for callers that reach a replica through a
+handle). The queue each guards is its own requests that were admitted but have no first token yet:
+their wait is what users feel as TTFT, and it is what grows when the replicas fall behind. The
+replica reads the same queue for the autoscaler (`queue_stats`: its size, oldest age and windowed
+TTFT p90).
 
 Prediction (sojourn time, the idea behind CoDel): a new arrival should expect the wait that requests
 are experiencing now,
@@ -30,8 +34,9 @@ prompt reads as queueing for as long as it prefills plus one window; the error i
 batch, which retries cheaply.
 
 Rules: at max_waiting_requests any request is refused (the hard limit); a batch request is refused
-once the predicted wait passes batch_max_wait_s, so batch traffic is shed long before interactive
-traffic feels the queue. Retry-After, for either refusal, is the predicted wait clamped to
+once the predicted wait passes batch_max_wait_s, or once batch_shed_fraction of the hard limit is
+waiting, so batch traffic is shed long before interactive traffic feels the queue. The ingress sheds
+by predicted wait; a replica (`replica_policy`) by count alone, with a fixed Retry-After. Retry-After, for either refusal, is the predicted wait clamped to
 [min_retry_after_s, max_retry_after_s]: in about that time every request waiting now has had its
 first token, so the queue the client was refused from has turned over. Simple on purpose: a client
 that comes back too early gets another cheap 429, one that stays away too long is clamped.
@@ -46,8 +51,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from contracts.checks import is_int
-from contracts.priority import PRIORITIES
+from contracts.checks import is_int, is_number
+from contracts.priority import Priority
+from model_worker.stats import percentile
 
 # The most TTFT samples kept, so memory stays bounded (~300 KB) at any rate. Beyond 2048 first
 # tokens/s in the default 2 s window the oldest samples go early: the mean is then over the newest
@@ -55,6 +61,10 @@ from contracts.priority import PRIORITIES
 _MAX_RECENT_FIRST_TOKENS = 4096
 # Floor of the span a full sample deque covers, so a clock that did not move gives no infinite rate.
 _MIN_RATE_SPAN_S = 1e-6
+# A replica's TTFT p90 for the autoscaler covers first tokens of the last this many seconds: short
+# enough that a surge shows within seconds, long enough to hold a few dozen samples at a few
+# requests per second.
+REPLICA_TTFT_WINDOW_S = 5.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,13 +91,19 @@ class AdmissionPolicy:
     # Batch traffic, shed first, gets half of it.
     queue_timeout_s: float = 60.0
     batch_queue_timeout_s: float = 30.0
+    # Batch requests are also refused once this fraction of max_waiting_requests is waiting, so that
+    # interactive traffic keeps the rest of the queue (1.0: only the hard limit counts for batch).
+    batch_shed_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if (not is_int(self.max_waiting_requests)
                 or self.max_waiting_requests < 1):
             raise ValueError(f"max_waiting_requests must be an integer >= 1, got {self.max_waiting_requests!r}")
-        if not (math.isfinite(self.batch_max_wait_s) and self.batch_max_wait_s >= 0):
-            raise ValueError(f"batch_max_wait_s must be finite and >= 0, got {self.batch_max_wait_s!r}")
+        # math.inf turns shedding by predicted wait off (a replica sheds by count alone).
+        if not (is_number(self.batch_max_wait_s) and self.batch_max_wait_s >= 0):
+            raise ValueError(f"batch_max_wait_s must be >= 0, got {self.batch_max_wait_s!r}")
+        if not (is_number(self.batch_shed_fraction) and 0.0 < self.batch_shed_fraction <= 1.0):
+            raise ValueError(f"batch_shed_fraction must be in (0, 1], got {self.batch_shed_fraction!r}")
         for name in ("recent_window_s", "min_retry_after_s", "queue_timeout_s", "batch_queue_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -96,9 +112,28 @@ class AdmissionPolicy:
             raise ValueError(f"max_retry_after_s must be finite and >= min_retry_after_s "
                              f"({self.min_retry_after_s!r}), got {self.max_retry_after_s!r}")
 
+    def queue_timeout_for(self, priority: Priority) -> float:
+        return self.batch_queue_timeout_s if priority is Priority.BATCH else self.queue_timeout_s
 
-    def queue_timeout_for(self, priority: str) -> float:
-        return self.batch_queue_timeout_s if priority == "batch" else self.queue_timeout_s
+    def limit(self, priority: Priority) -> int:
+        """Requests waiting at which one more of this priority is refused."""
+        if priority is Priority.BATCH:
+            return max(1, int(self.max_waiting_requests * self.batch_shed_fraction))
+        return self.max_waiting_requests
+
+
+def replica_policy(max_waiting_requests: int = 256, batch_shed_fraction: float = 0.5, retry_after_s: float = 1.0,
+                   ttft_window_s: float = REPLICA_TTFT_WINDOW_S) -> AdmissionPolicy:
+    """An LLMServer replica's policy (the `admission` app arg): shed by count alone, with a fixed
+    Retry-After. 256 waiting is about two full batches at the default max_num_seqs of 128: past that
+    a new request would wait longer than it takes a client to retry elsewhere; batch requests are
+    refused from batch_shed_fraction of it on. ttft_window_s is the window of the TTFT p90 the
+    autoscaler reads."""
+    if not (is_number(retry_after_s) and math.isfinite(retry_after_s) and retry_after_s > 0):
+        raise ValueError(f"retry_after_s must be finite and > 0, got {retry_after_s!r}")
+    return AdmissionPolicy(max_waiting_requests=max_waiting_requests, batch_shed_fraction=batch_shed_fraction,
+                           batch_max_wait_s=math.inf, recent_window_s=ttft_window_s,
+                           min_retry_after_s=retry_after_s, max_retry_after_s=retry_after_s)
 
 
 @dataclass(slots=True, frozen=True)
@@ -119,7 +154,7 @@ class Ticket:
 
     __slots__ = ("priority", "admitted_s", "_controller", "_waiting", "_done")
 
-    def __init__(self, controller: AdmissionController, priority: str, admitted_s: float) -> None:
+    def __init__(self, controller: AdmissionController, priority: Priority, admitted_s: float) -> None:
         self.priority = priority
         self.admitted_s = admitted_s
         self._controller = controller
@@ -131,9 +166,11 @@ class Ticket:
         """True until the first token or done(), whichever comes first."""
         return self._waiting
 
-    def first_token(self) -> None:
+    def first_token(self, sample: bool = True) -> None:
+        """sample=False: the first token is no time to first token (a request resumed on another
+        replica after some output); it leaves the queue but adds no TTFT sample."""
         if self._waiting:
-            self._controller._leave(self, got_first_token=True)
+            self._controller._leave(self, got_first_token=sample)
 
     def done(self) -> None:
         if self._done:
@@ -177,6 +214,10 @@ class _RecentFirstTokens:
         if not self._samples:
             self._ttft_sum_s = 0.0  # no float drift survives an empty window
 
+    def ttft_percentile_s(self, now_s: float, q: float) -> float | None:
+        self.prune(now_s)
+        return percentile([ttft for _, ttft in self._samples], q)
+
     def mean_ttft_s(self, now_s: float) -> float:
         self.prune(now_s)
         return max(self._ttft_sum_s / len(self._samples), 0.0) if self._samples else 0.0
@@ -201,15 +242,15 @@ class AdmissionController:
         self._recent = _RecentFirstTokens(policy.recent_window_s)
         # Waiting tickets in admission order, so the first is the oldest (O(1) with OrderedDict).
         self._waiting: OrderedDict[Ticket, None] = OrderedDict()
-        self._num_waiting = dict.fromkeys(PRIORITIES, 0)
-        self._num_admitted = dict.fromkeys(PRIORITIES, 0)
-        self._num_shed = dict.fromkeys(PRIORITIES, 0)
-        self._num_timed_out = dict.fromkeys(PRIORITIES, 0)
+        self._num_waiting = dict.fromkeys(Priority, 0)
+        self._num_admitted = dict.fromkeys(Priority, 0)
+        self._num_shed = dict.fromkeys(Priority, 0)
+        self._num_timed_out = dict.fromkeys(Priority, 0)
 
-    def admit(self, priority: str) -> tuple[Verdict, Ticket | None]:
+    def admit(self, priority: Priority) -> tuple[Verdict, Ticket | None]:
         """Admit or refuse one request. An admitted one gets a Ticket the caller must close."""
-        if priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}; got {priority!r}")
+        if not isinstance(priority, Priority):  # parsed once, where the request came in
+            raise ValueError(f"priority must be a Priority, got {priority!r}")
         now = self._clock()
         oldest_s, recent_ttft_s = self._oldest_wait_s(now), self._recent.mean_ttft_s(now)
         wait_s = max(oldest_s, recent_ttft_s)
@@ -235,18 +276,31 @@ class AdmissionController:
             "num_waiting": len(self._waiting), "predicted_wait_s": max(oldest_s, recent_ttft_s),
             "oldest_wait_s": oldest_s, "recent_ttft_s": recent_ttft_s,
             "first_token_rate_per_s": self._recent.rate_per_s(now)}
-        for p in PRIORITIES:
-            stats[f"num_waiting_{p}"] = self._num_waiting[p]
-            stats[f"num_admitted_{p}"] = self._num_admitted[p]
-            stats[f"num_shed_{p}"] = self._num_shed[p]
-            stats[f"num_timed_out_{p}"] = self._num_timed_out[p]
+        for p in Priority:
+            stats[f"num_waiting_{p.label}"] = self._num_waiting[p]
+            stats[f"num_admitted_{p.label}"] = self._num_admitted[p]
+            stats[f"num_shed_{p.label}"] = self._num_shed[p]
+            stats[f"num_timed_out_{p.label}"] = self._num_timed_out[p]
         return stats
+
+    def queue_stats(self) -> dict[str, float]:
+        """What the autoscaler reads: requests waiting, the oldest one's age, and the TTFT p90 over
+        the recent window (absent when no first token came in it)."""
+        now = self._clock()
+        stats = {"num_waiting_first_token": float(len(self._waiting)), "oldest_wait_s": self._oldest_wait_s(now)}
+        p90 = self._recent.ttft_percentile_s(now, 90)
+        if p90 is not None:
+            stats["ttft_p90_s"] = p90
+        return stats
+
+    def num_shed(self, priority: Priority) -> int:
+        return self._num_shed[priority]
 
     def timed_out(self, ticket: Ticket) -> None:
         """The ticket's request waited past its queue timeout (counted; done() still ends it)."""
         self._num_timed_out[ticket.priority] += 1
 
-    def _refusal(self, priority: str, wait_s: float, oldest_s: float, recent_ttft_s: float) -> str | None:
+    def _refusal(self, priority: Priority, wait_s: float, oldest_s: float, recent_ttft_s: float) -> str | None:
         """The reason, with the numbers, if refused."""
         p = self.policy
         n = len(self._waiting)
@@ -255,9 +309,13 @@ class AdmissionController:
         if n >= p.max_waiting_requests:
             return (f"{n} requests waiting for a first token, at the limit max_waiting_requests="
                     f"{p.max_waiting_requests}; predicted wait {wait_s:.2f} s ({terms})")
-        if priority == "batch" and wait_s > p.batch_max_wait_s:
+        if priority is Priority.BATCH and wait_s > p.batch_max_wait_s:
             return (f"batch request shed: predicted wait {wait_s:.2f} s > batch_max_wait_s="
                     f"{p.batch_max_wait_s:g} s ({n} waiting; {terms})")
+        if priority is Priority.BATCH and n >= p.limit(priority):
+            return (f"batch request shed: {n} requests waiting for a first token, at the batch limit "
+                    f"{p.limit(priority)} (batch_shed_fraction={p.batch_shed_fraction:g} of "
+                    f"max_waiting_requests={p.max_waiting_requests})")
         return None
 
     def _oldest_wait_s(self, now: float) -> float:

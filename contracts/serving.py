@@ -24,8 +24,9 @@ class GenerateRequest:
     # Chained hashes of the prompt's full blocks, in order, with cache_key
     # (model_worker.hashing.hash_prompt_blocks(prompt_token_ids, block_size, cache_key)).
     block_hashes: list[int] = field(default_factory=list)
-    # "interactive" (default) or "batch"; batch is shed first under overload.
-    priority: str = "interactive"
+    # Batch is shed first under overload. Parsed once, here: a handle caller may give the label
+    # ("interactive", "batch"); every part downstream reads the enum.
+    priority: Priority = Priority.INTERACTIVE
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # Mixed into every block hash: requests with different keys never share KV blocks.
     cache_key: str | None = None
@@ -39,7 +40,7 @@ class GenerateRequest:
     routed_replica_id: str | None = None
 
     def __post_init__(self) -> None:
-        self.priority = Priority.parse(self.priority).label
+        self.priority = Priority.parse(self.priority)
 
 
 @dataclass(slots=True)

@@ -6,10 +6,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoscaler.admission import AdmissionPolicy
+from autoscaler.admission import AdmissionPolicy, replica_policy
 from autoscaler.policy import AutoscalerConfig
 from contracts.checks import is_int, is_number
-from deployments.llm_server import AdmissionConfig
 from deployments.retry_policy import RetryPolicy
 from router.policy import RouterConfig
 
@@ -34,8 +33,9 @@ class AppArgs:
     ingress_replicas: int = 1
     # Without `Authorization: Bearer <api_key>` every endpoint but /health answers 401.
     api_key: str | None = None
-    # AdmissionConfig fields: when a replica refuses work with 429 (the backstop behind the
-    # ingress's own admission control).
+    # replica_policy arguments (autoscaler/admission.py: max_waiting_requests, batch_shed_fraction,
+    # retry_after_s): when a replica refuses work with 429 (the backstop behind the ingress's own
+    # admission control).
     admission: dict[str, Any] = field(default_factory=dict)
     # AdmissionPolicy fields (autoscaler/admission.py): the ingress's bounded queue, and the
     # predicted wait past which batch requests get 429 first.
@@ -93,7 +93,7 @@ class AppArgs:
             if not isinstance(self.autoscaling, dict):
                 raise ValueError(f"autoscaling must be a mapping, got {self.autoscaling!r}")
             AutoscalerConfig(**{k: v for k, v in self.autoscaling.items() if k != "initial_replicas"})
-        AdmissionConfig(**self.admission)
+        replica_policy(**self.admission)
         AdmissionPolicy(**self.ingress_admission)
         RetryPolicy(**self.retry)
         router = {k: v for k, v in self.router.items() if k not in ("dispatch_ttl_s", "seed")}

@@ -9,32 +9,30 @@ new work with a 429 once too many admitted requests are still waiting for their 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from autoscaler.admission import REPLICA_TTFT_WINDOW_S, AdmissionController, Ticket, replica_policy
 from contracts import LoadReport, RoutingReport
 from contracts.engine_stats import EngineStats
-from contracts.priority import PRIORITIES
+from contracts.priority import Priority
 from contracts.sampling import SamplingParams, SamplingParamsError
 from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo, whole_response
 from deployments.errors import APIError, internal, invalid, not_ready, overloaded
-from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, TTFT_BUCKETS_S, Histogram,
-                                 family_dict)
+from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, TTFT_BUCKETS_S, FiniteHistogram,
+                                 by_label, collect_families)
 from model_worker.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed, RequestStream
 from model_worker.config import EngineConfig
 from model_worker.models import served_name
 from model_worker.scheduler import RequestRejected
-from model_worker.stats import percentile
 
-# The autoscaler's TTFT p90 covers first tokens of the last this many seconds: short enough that a
-# surge shows within seconds, long enough to hold a few dozen samples at a few requests per second.
-TTFT_WINDOW_S = 5.0
 # A stream with no output for this long gets a keep-alive chunk, so the ingress can tell a request
 # that waits (queued, or a long prefill) from a replica that is frozen or gone.
 KEEPALIVE_INTERVAL_S = 1.0
@@ -48,37 +46,11 @@ ENGINE_STALL_S = 5.0
 ENGINE_HUNG_S = 30.0
 
 
-@dataclass(slots=True)
-class AdmissionConfig:
-    # Requests admitted but still without a first token, at or above which new ones get a 429.
-    # 256 is about two full batches at the default max_num_seqs of 128: past that a new request
-    # would wait longer than it takes a client to retry elsewhere.
-    max_waiting_requests: int = 256
-    # Batch-priority requests are refused from this fraction of the limit on, so that interactive
-    # traffic keeps the rest of the queue: batch traffic is shed first.
-    batch_shed_fraction: float = 0.5
-    # The Retry-After a refused request is given, in seconds.
-    retry_after_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be an integer >= 1, got {self.max_waiting_requests!r}")
-        if not 0.0 < self.batch_shed_fraction <= 1.0:
-            raise ValueError(f"batch_shed_fraction must be in (0, 1], got {self.batch_shed_fraction!r}")
-        if not self.retry_after_s > 0:
-            raise ValueError(f"retry_after_s must be > 0, got {self.retry_after_s!r}")
-
-    def limit(self, priority: str) -> int:
-        if priority == "batch":
-            return max(1, int(self.max_waiting_requests * self.batch_shed_fraction))
-        return self.max_waiting_requests
-
-
 class LLMServer:
     def __init__(self, model: str | None = None, engine_args: dict[str, Any] | None = None, *,
-                 served_model_name: str | None = None, admission: dict[str, Any] | AdmissionConfig | None = None,
+                 served_model_name: str | None = None, admission: dict[str, Any] | None = None,
                  engine: AsyncLLMEngine | None = None, replica_id: str | None = None,
-                 clock: Callable[[], float] = time.monotonic, ttft_window_s: float = TTFT_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic, ttft_window_s: float = REPLICA_TTFT_WINDOW_S,
                  keepalive_interval_s: float = KEEPALIVE_INTERVAL_S, engine_stall_s: float = ENGINE_STALL_S,
                  engine_hung_s: float = ENGINE_HUNG_S) -> None:
         # Seconds from here until the engine could serve, by part (weights, tokenizer, kv_cache)
@@ -92,7 +64,8 @@ class LLMServer:
         self.load_times_s = {**imports_s, **engine.load_times_s,
                              "total": time.perf_counter() - started_s}
         self.engine = engine
-        self.admission = admission if isinstance(admission, AdmissionConfig) else AdmissionConfig(**(admission or {}))
+        # The `admission` app arg: max_waiting_requests, batch_shed_fraction, retry_after_s.
+        self.admission = AdmissionController(replica_policy(**(admission or {}), ttft_window_s=ttft_window_s), clock)
         self.replica_id = replica_id or uuid.uuid4().hex[:8]
         self.clock = clock
         scheduler = engine.limits
@@ -107,25 +80,27 @@ class LLMServer:
             eos_token_ids=list(engine.eos_token_ids),
             created=int(time.time()),
         )
-        # Admitted requests that have not produced a first token yet, by priority.
-        self.num_waiting = dict.fromkeys(PRIORITIES, 0)
-        self.num_shed = dict.fromkeys(PRIORITIES, 0)
-        # Admission time of every request still waiting for its first token (the queue's ages),
-        # and (time, TTFT) of first tokens within the last ttft_window_s, for the autoscaler.
-        self._waiting_since_s: dict[int, float] = {}
-        self._request_keys = itertools.count()
-        self.ttft_window_s = ttft_window_s
-        self._recent_ttfts_s: deque[tuple[float, float]] = deque()
         self._report_seq = 0
         self.keepalive_interval_s = keepalive_interval_s
         self.engine_stall_s = engine_stall_s
         self.engine_hung_s = engine_hung_s
         # Requests that continued another replica's output (migrated by the ingress).
         self.num_resumed = 0
-        self.ttft_s = Histogram(TTFT_BUCKETS_S)
-        self.itl_s = Histogram(ITL_BUCKETS_S)
-        self.e2e_s = Histogram(E2E_BUCKETS_S)
-        self.queue_s = Histogram(QUEUE_BUCKETS_S)
+        # This replica's own registry, never prometheus_client's global one: several replicas (and
+        # tests) can share a process.
+        self.metrics_registry = CollectorRegistry()
+        self.ttft_s = FiniteHistogram("iterserve_time_to_first_token_seconds",
+                                      "Time from arrival at the engine to the first output token.",
+                                      buckets=TTFT_BUCKETS_S, registry=self.metrics_registry)
+        self.itl_s = FiniteHistogram("iterserve_inter_token_latency_seconds",
+                                     "Time between two consecutive output tokens of a request.",
+                                     buckets=ITL_BUCKETS_S, registry=self.metrics_registry)
+        self.e2e_s = FiniteHistogram("iterserve_e2e_request_latency_seconds",
+                                     "Time from arrival at the engine to the last output token.",
+                                     buckets=E2E_BUCKETS_S, registry=self.metrics_registry)
+        self.queue_s = FiniteHistogram("iterserve_request_queue_time_seconds",
+                                       "Time from arrival at the engine to first being scheduled.",
+                                       buckets=QUEUE_BUCKETS_S, registry=self.metrics_registry)
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -138,13 +113,9 @@ class LLMServer:
         Outputs that piled up while the consumer was busy go out as one chunk: under load a token
         costs a Ray message and an SSE event on every hop, and coalescing keeps that cost per
         chunk, not per token, while an idle consumer still gets every token at once."""
-        stream = self._admit(request)
+        ticket, stream = self._admit(request)
         resumed = bool(request.resumed_token_ids)
         self.num_resumed += resumed
-        waiting = True
-        self.num_waiting[request.priority] += 1
-        key = next(self._request_keys)
-        self._waiting_since_s[key] = self.clock()
         try:
             yield GenerationChunk(request.request_id, num_prompt_tokens=len(request.prompt_token_ids),
                                   replica_id=self.replica_id)
@@ -157,41 +128,42 @@ class LLMServer:
                 for later in stream.ready():
                     chunk.extend(later)
                     out = later
-                if waiting and chunk.token_ids:
-                    waiting = False
-                    self.num_waiting[request.priority] -= 1
-                    admitted_s = self._waiting_since_s.pop(key)
-                    if not resumed:  # a resumed request's first token is not a time to first token
-                        self._first_token(admitted_s)
+                if chunk.token_ids:
+                    # A resumed request's first token here is not a time to first token.
+                    ticket.first_token(sample=not resumed)
                 if out.finished:
                     self._observe(out, resumed)
                 yield chunk
         finally:
             stream.close()
-            self._waiting_since_s.pop(key, None)
-            if waiting:
-                self.num_waiting[request.priority] -= 1
+            ticket.done()
 
     async def generate(self, request: GenerateRequest) -> GenerationChunk:
         """Run a request to the end and return it as one finished chunk."""
         return await whole_response(request.request_id, self.generate_stream(request))
 
-    def _admit(self, request: GenerateRequest) -> RequestStream:
+    def _admit(self, request: GenerateRequest) -> tuple[Ticket, RequestStream]:
         if not isinstance(request, GenerateRequest):
             raise invalid(None, f"expected a GenerateRequest, got {type(request).__name__}")
         if not isinstance(request.params, SamplingParams):
             raise invalid(None, "params must be a SamplingParams")
-        waiting = sum(self.num_waiting.values())
-        if waiting >= self.admission.limit(request.priority):
-            self.num_shed[request.priority] += 1
-            raise overloaded(f"replica {self.replica_id} is overloaded ({waiting} requests waiting for a first "
-                             f"token); {request.priority} requests are refused until the queue drains",
-                             self.admission.retry_after_s)
+        verdict, ticket = self.admission.admit(request.priority)
+        if ticket is None:
+            raise overloaded(f"replica {self.replica_id} is overloaded ({verdict.reason}); "
+                             f"{request.priority.label} requests are refused until the queue drains",
+                             verdict.retry_after_s)
         try:
-            return self.engine.add_request(request.prompt_token_ids, request.params, request_id=request.request_id,
-                                           priority=request.priority, cache_key=request.cache_key,
-                                           resumed_token_ids=request.resumed_token_ids,
-                                           block_hashes=request.block_hashes)
+            return ticket, self._add_to_engine(request)
+        except BaseException:
+            ticket.done()  # refused by the engine: it never joined the queue
+            raise
+
+    def _add_to_engine(self, request: GenerateRequest) -> RequestStream:
+        try:
+            return self.engine.add_request(
+                request.prompt_token_ids, request.params, request_id=request.request_id, priority=request.priority,
+                cache_key=request.cache_key, resumed_token_ids=request.resumed_token_ids,
+                block_hashes=request.block_hashes)
         except RequestRejected as exc:
             raise invalid(exc.param, str(exc), exc.code) from None
         except SamplingParamsError as exc:
@@ -200,15 +172,6 @@ class LLMServer:
             raise not_ready(f"the engine on replica {self.replica_id} is not running: {exc}") from None
         except ValueError as exc:
             raise invalid(None, str(exc)) from None
-
-    def _first_token(self, admitted_s: float) -> None:
-        now_s = self.clock()
-        self._recent_ttfts_s.append((now_s, now_s - admitted_s))
-        self._trim_ttfts(now_s)
-
-    def _trim_ttfts(self, now_s: float) -> None:
-        while self._recent_ttfts_s and self._recent_ttfts_s[0][0] < now_s - self.ttft_window_s:
-            self._recent_ttfts_s.popleft()
 
     def _observe(self, out: GenerationChunk, resumed: bool = False) -> None:
         timings = out.timings
@@ -263,35 +226,22 @@ class LLMServer:
         TTFT p90 over the last ttft_window_s (absent when no first token came in it), KV usage.
         The engine's own TTFT percentiles cover its last N requests, however old: not used."""
         stats = await self.engine.stats()
-        queue = self.queue_stats()
+        queue = self.admission.queue_stats()
         return LoadReport(
             num_waiting_first_token=int(queue["num_waiting_first_token"]), oldest_wait_s=queue["oldest_wait_s"],
             num_running=stats.num_running, kv_usage=stats.kv_usage, num_seats=self.num_seats,
-            num_shed=sum(self.num_shed.values()), num_free_kv_blocks=stats.num_free_kv_blocks,
+            num_shed=sum(self.admission.num_shed(p) for p in Priority), num_free_kv_blocks=stats.num_free_kv_blocks,
             num_total_kv_blocks=stats.num_total_kv_blocks, ttft_p90_s=queue.get("ttft_p90_s"),
         ).to_metrics()
-
-    def queue_stats(self) -> dict[str, float]:
-        now_s = self.clock()
-        self._trim_ttfts(now_s)
-        stats = {"num_waiting_first_token": float(len(self._waiting_since_s)),
-                 "oldest_wait_s": self.oldest_wait_s(now_s)}
-        p90 = percentile([ttft for _, ttft in self._recent_ttfts_s], 90)
-        if p90 is not None:
-            stats["ttft_p90_s"] = p90
-        return stats
-
-    def oldest_wait_s(self, now_s: float) -> float:
-        """Entries go in as requests are admitted, on a monotonic clock: the first is the oldest."""
-        return now_s - next(iter(self._waiting_since_s.values())) if self._waiting_since_s else 0.0
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
 
     async def metrics_snapshot(self) -> dict[str, Any]:
+        """This replica's metric families for the ingress: prometheus_client Metrics, which pickle."""
         stats = await self.engine.stats()
         return {"replica": self.replica_id, "model_name": self.info.served_model_name,
-                "families": _families(self, stats)}
+                "families": [*collect_families(self.metrics_registry), *_families(self, stats)]}
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -340,44 +290,37 @@ def _engine_config(model: str | None, engine_args: dict[str, Any] | None) -> Eng
     return EngineConfig(**args)
 
 
-def _families(server: LLMServer, stats: EngineStats) -> list[dict[str, Any]]:
-    finished = stats.requests_finished
+def _families(server: LLMServer, stats: EngineStats) -> list[Metric]:
+    """The metrics whose counts are kept elsewhere (engine stats, the server's own counts), built
+    from their current values at each snapshot rather than counted a second time."""
     return [
-        family_dict("iterserve_time_to_first_token_seconds", "histogram",
-                    "Time from arrival at the engine to the first output token.", [({}, server.ttft_s.snapshot())]),
-        family_dict("iterserve_inter_token_latency_seconds", "histogram",
-                    "Time between two consecutive output tokens of a request.", [({}, server.itl_s.snapshot())]),
-        family_dict("iterserve_e2e_request_latency_seconds", "histogram",
-                    "Time from arrival at the engine to the last output token.", [({}, server.e2e_s.snapshot())]),
-        family_dict("iterserve_request_queue_time_seconds", "histogram",
-                    "Time from arrival at the engine to first being scheduled.", [({}, server.queue_s.snapshot())]),
-        family_dict("iterserve_num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
-                    [({}, stats.num_waiting)]),
-        family_dict("iterserve_num_requests_running", "gauge", "Requests in the running batch.",
-                    [({}, stats.num_running)]),
-        family_dict("iterserve_kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (0 to 1).",
-                    [({}, stats.kv_usage)]),
-        family_dict("iterserve_request_success_total", "counter", "Finished requests by finish reason.",
-                    [({"finished_reason": reason}, n) for reason, n in finished.items()]),
-        family_dict("iterserve_prompt_tokens_total", "counter", "Prompt tokens admitted.",
-                    [({}, stats.prompt_tokens_total)]),
-        family_dict("iterserve_generation_tokens_total", "counter", "Output tokens generated.",
-                    [({}, stats.generation_tokens_total)]),
-        family_dict("iterserve_prefix_cache_queries_total", "counter",
-                    "Prompt tokens looked up in the prefix cache.", [({}, stats.prefix_cache_query_tokens)]),
-        family_dict("iterserve_prefix_cache_hits_total", "counter",
-                    "Prompt tokens served from the prefix cache.", [({}, stats.prefix_cache_hit_tokens)]),
-        family_dict("iterserve_num_preemptions_total", "counter", "Requests preempted for KV blocks.",
-                    [({}, stats.num_preemptions)]),
-        family_dict("iterserve_requests_shed_total", "counter", "Requests refused with 429 under overload.",
-                    [({"priority": p}, n) for p, n in server.num_shed.items()]),
-        family_dict("iterserve_requests_resumed_total", "counter",
-                    "Requests this replica continued after another replica died or stalled.",
-                    [({}, server.num_resumed)]),
-        family_dict("iterserve_model_load_seconds", "gauge",
-                    "Seconds this replica spent loading before it could serve, by part.",
-                    [({"part": part}, seconds) for part, seconds in server.load_times_s.items()]),
-        family_dict("iterserve_oldest_waiting_seconds", "gauge",
-                    "Age of the oldest request still waiting for its first token.",
-                    [({}, server.oldest_wait_s(server.clock()))]),
+        GaugeMetricFamily("iterserve_num_requests_waiting", "Requests waiting to be scheduled.",
+                          value=stats.num_waiting),
+        GaugeMetricFamily("iterserve_num_requests_running", "Requests in the running batch.",
+                          value=stats.num_running),
+        GaugeMetricFamily("iterserve_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
+                          value=stats.kv_usage),
+        by_label(CounterMetricFamily("iterserve_request_success_total", "Finished requests by finish reason.",
+                                     labels=["finished_reason"]), stats.requests_finished),
+        CounterMetricFamily("iterserve_prompt_tokens_total", "Prompt tokens admitted.",
+                            value=stats.prompt_tokens_total),
+        CounterMetricFamily("iterserve_generation_tokens_total", "Output tokens generated.",
+                            value=stats.generation_tokens_total),
+        CounterMetricFamily("iterserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                            value=stats.prefix_cache_query_tokens),
+        CounterMetricFamily("iterserve_prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
+                            value=stats.prefix_cache_hit_tokens),
+        CounterMetricFamily("iterserve_num_preemptions_total", "Requests preempted for KV blocks.",
+                            value=stats.num_preemptions),
+        by_label(CounterMetricFamily("iterserve_requests_shed_total", "Requests refused with 429 under overload.",
+                                     labels=["priority"]), {p.label: server.admission.num_shed(p) for p in Priority}),
+        CounterMetricFamily("iterserve_requests_resumed_total",
+                            "Requests this replica continued after another replica died or stalled.",
+                            value=server.num_resumed),
+        by_label(GaugeMetricFamily("iterserve_model_load_seconds",
+                                   "Seconds this replica spent loading before it could serve, by part.",
+                                   labels=["part"]), server.load_times_s),
+        GaugeMetricFamily("iterserve_oldest_waiting_seconds",
+                          "Age of the oldest request still waiting for its first token.",
+                          value=server.admission.queue_stats()["oldest_wait_s"]),
     ]

@@ -18,10 +18,12 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo
 from deployments import openai_protocol as oai
 from deployments.errors import APIError, invalid
-from deployments.metrics import Exposition
+from deployments.metrics import Exposition, by_label
 from model_worker.hashing import hash_prompt_blocks
 
 
@@ -79,47 +81,56 @@ class OpenAIService:
     async def metrics_text(self) -> str:
         exposition = Exposition()
         for snapshot in await self.backend.metrics_snapshots():
-            exposition.add_snapshot(snapshot, {"model_name": snapshot["model_name"], "replica": snapshot["replica"]})
-        for state, count in sorted((await self.backend.replica_states()).items()):
-            exposition.add("iterserve_replicas", "gauge", "LLMServer replicas by state.",
-                           {"model_name": self.info.served_model_name, "state": state}, count)
+            replica = {"model_name": snapshot["model_name"], "replica": snapshot["replica"]}
+            for family in snapshot["families"]:
+                exposition.add(family, replica)
+        model = {"model_name": self.info.served_model_name}
+        states = dict(sorted((await self.backend.replica_states()).items()))
+        exposition.add(by_label(GaugeMetricFamily("iterserve_replicas", "LLMServer replicas by state.",
+                                                  labels=["state"]), states), model)
         admission = getattr(self.backend, "admission", None)
         if admission is not None:
             self._add_admission(exposition, admission.snapshot())
         failover = getattr(self.backend, "failover_counters", None)
         if failover is not None:
             counters = failover()
-            labels = {"model_name": self.info.served_model_name, "ingress": self.ingress_id}
+            ingress = {**model, "ingress": self.ingress_id}
             if "failed_attempts" in counters:
-                exposition.add("iterserve_ingress_failed_attempts_total", "counter",
-                               "Attempts whose replica died, froze or refused; each was retried elsewhere or failed.",
-                               labels, counters["failed_attempts"])
+                exposition.add(CounterMetricFamily(
+                    "iterserve_ingress_failed_attempts_total",
+                    "Attempts whose replica died, froze or refused; each was retried elsewhere or failed.",
+                    value=counters["failed_attempts"]), ingress)
             if "migrated" in counters:
-                exposition.add("iterserve_ingress_requests_migrated_total", "counter",
-                               "Requests resumed on another replica after some tokens were sent.", labels,
-                               counters["migrated"])
+                exposition.add(CounterMetricFamily(
+                    "iterserve_ingress_requests_migrated_total",
+                    "Requests resumed on another replica after some tokens were sent.",
+                    value=counters["migrated"]), ingress)
+        responses = CounterMetricFamily("iterserve_http_responses_total", "HTTP responses by endpoint and status.",
+                                        labels=["endpoint", "status"])
         for (endpoint, status), count in sorted(self.http_responses.items()):
-            exposition.add("iterserve_http_responses_total", "counter", "HTTP responses by endpoint and status.",
-                           {"ingress": self.ingress_id, "endpoint": endpoint, "status": str(status)}, count)
+            responses.add_metric([endpoint, str(status)], count)
+        exposition.add(responses, {"ingress": self.ingress_id})
         return exposition.render()
 
     def _add_admission(self, exposition: Exposition, snapshot: dict[str, float]) -> None:
         """The ingress's admission control (autoscaler/admission.py), labelled by ingress replica."""
         labels = {"model_name": self.info.served_model_name, "ingress": self.ingress_id}
+        waiting = GaugeMetricFamily("iterserve_ingress_requests_waiting",
+                                    "Requests this ingress sent that have no first token yet.", labels=["priority"])
+        shed = CounterMetricFamily("iterserve_ingress_requests_shed_total",
+                                   "Requests this ingress refused with 429 before sending them.", labels=["priority"])
+        timed_out = CounterMetricFamily("iterserve_ingress_queue_timeouts_total",
+                                        "Admitted requests given up with 503 for want of a first token in time.",
+                                        labels=["priority"])
         for priority in ("interactive", "batch"):
-            by_priority = {**labels, "priority": priority}
-            exposition.add("iterserve_ingress_requests_waiting", "gauge",
-                           "Requests this ingress sent that have no first token yet.", by_priority,
-                           snapshot[f"num_waiting_{priority}"])
-            exposition.add("iterserve_ingress_requests_shed_total", "counter",
-                           "Requests this ingress refused with 429 before sending them.", by_priority,
-                           snapshot[f"num_shed_{priority}"])
-            exposition.add("iterserve_ingress_queue_timeouts_total", "counter",
-                           "Admitted requests given up with 503 for want of a first token in time.", by_priority,
-                           snapshot[f"num_timed_out_{priority}"])
-        exposition.add("iterserve_ingress_predicted_wait_seconds", "gauge",
-                       "Wait for a first token this ingress predicts for a new request.", labels,
-                       snapshot["predicted_wait_s"])
+            waiting.add_metric([priority], snapshot[f"num_waiting_{priority}"])
+            shed.add_metric([priority], snapshot[f"num_shed_{priority}"])
+            timed_out.add_metric([priority], snapshot[f"num_timed_out_{priority}"])
+        predicted = GaugeMetricFamily("iterserve_ingress_predicted_wait_seconds",
+                                      "Wait for a first token this ingress predicts for a new request.",
+                                      value=snapshot["predicted_wait_s"])
+        for family in (waiting, shed, timed_out, predicted):
+            exposition.add(family, labels)
 
     def record_response(self, endpoint: str, status: int) -> None:
         key = (endpoint, status)

@@ -10,8 +10,11 @@ from collections import deque
 
 import pytest
 
-from autoscaler.admission import _MAX_RECENT_FIRST_TOKENS, PRIORITIES, AdmissionController, AdmissionPolicy, Ticket
+from autoscaler.admission import _MAX_RECENT_FIRST_TOKENS, AdmissionController, AdmissionPolicy, Ticket
+from contracts.priority import PRIORITIES, Priority
 from tests.unit.fakes import FakeClock
+
+INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
 
 
 def make(clock: FakeClock, **policy) -> AdmissionController:
@@ -24,7 +27,7 @@ def serve_steadily(ctl: AdmissionController, clock: FakeClock, rate_per_s: float
     1 / rate_per_s - ttft_s after the last first token."""
     assert ttft_s < 1.0 / rate_per_s
     for _ in range(round(duration_s * rate_per_s)):
-        verdict, ticket = ctl.admit("interactive")
+        verdict, ticket = ctl.admit(INTERACTIVE)
         assert verdict.admitted
         clock.advance(ttft_s)
         ticket.first_token()
@@ -32,7 +35,7 @@ def serve_steadily(ctl: AdmissionController, clock: FakeClock, rate_per_s: float
         clock.advance(1.0 / rate_per_s - ttft_s)
 
 
-def admit_ok(ctl: AdmissionController, priority: str = "interactive") -> Ticket:
+def admit_ok(ctl: AdmissionController, priority: Priority = INTERACTIVE) -> Ticket:
     verdict, ticket = ctl.admit(priority)
     assert verdict.admitted and verdict.retry_after_s is None and ticket is not None, verdict.reason
     return ticket
@@ -45,10 +48,10 @@ def surge(ctl: AdmissionController, clock: FakeClock, queue: deque[Ticket], dura
         clock.advance(0.025)
         if tick % 4 == 0:
             queue.popleft().first_token()
-        priority = "batch" if tick % 2 else "interactive"
+        priority = BATCH if tick % 2 else INTERACTIVE
         num_waiting = len(queue)
         verdict, ticket = ctl.admit(priority)
-        verdicts[priority].append((num_waiting, verdict))
+        verdicts[priority.label].append((num_waiting, verdict))
         if ticket is not None:
             queue.append(ticket)
     return verdicts
@@ -65,11 +68,11 @@ def test_steady_load_predicts_the_recent_ttft():
     assert ctl.predicted_wait_s() == pytest.approx(0.03)
 
     tickets = []
-    for priority in ("interactive", "batch", "interactive"):
+    for priority in (INTERACTIVE, BATCH, INTERACTIVE):
         tickets.append(admit_ok(ctl, priority))
         clock.advance(0.02)
     # The oldest has waited 0.06 s, longer than recent requests did: it sets the prediction.
-    verdict, ticket = ctl.admit("batch")
+    verdict, ticket = ctl.admit(BATCH)
     assert verdict.admitted and verdict.predicted_wait_s == pytest.approx(0.06)
     snap = ctl.snapshot()
     assert snap["num_waiting"] == 4 and snap["num_waiting_batch"] == 2 and snap["num_waiting_interactive"] == 2
@@ -90,14 +93,14 @@ def test_light_load_admits_batch_with_one_request_in_flight():
     clock.advance(0.05)
     # Little's law on the count waiting now would say 1 / (0.2/s) = 5 s and shed this request;
     # the wait requests actually see is the in-flight one's 0.05 s.
-    verdict, batch = ctl.admit("batch")
+    verdict, batch = ctl.admit(BATCH)
     assert verdict.admitted and verdict.predicted_wait_s == pytest.approx(0.05)
     snap = ctl.snapshot()
     assert snap["oldest_wait_s"] == pytest.approx(0.05) and snap["recent_ttft_s"] == 0.0
 
     clock.advance(0.05)
     in_flight.first_token()  # its 0.1 s TTFT is now the recent level, above the batch one's 0.05 s age
-    verdict, other = ctl.admit("batch")
+    verdict, other = ctl.admit(BATCH)
     assert verdict.admitted and verdict.predicted_wait_s == pytest.approx(0.1)
     for t in (in_flight, batch, other):
         t.done()
@@ -148,7 +151,7 @@ def test_batch_is_admitted_again_once_the_queue_drains_and_the_window_passes():
     serve_steadily(ctl, clock, rate_per_s=10, duration_s=10, ttft_s=0.03)
     queue: deque[Ticket] = deque()
     surge(ctl, clock, queue, duration_s=3.0)
-    assert not ctl.admit("batch")[0].admitted
+    assert not ctl.admit(BATCH)[0].admitted
 
     while queue:  # the replicas catch up: 20 first tokens/s, no arrivals
         clock.advance(0.05)
@@ -156,11 +159,11 @@ def test_batch_is_admitted_again_once_the_queue_drains_and_the_window_passes():
     # Empty queue, but the requests just served waited seconds: batch stays shed for the window.
     snap = ctl.snapshot()
     assert snap["num_waiting"] == 0 and snap["oldest_wait_s"] == 0.0 and snap["recent_ttft_s"] > 0.5
-    verdict, _ = ctl.admit("batch")
+    verdict, _ = ctl.admit(BATCH)
     assert not verdict.admitted and verdict.predicted_wait_s == pytest.approx(snap["recent_ttft_s"])
 
     clock.advance(2.01)  # the slow first tokens have left the recent window
-    verdict, ticket = ctl.admit("batch")
+    verdict, ticket = ctl.admit(BATCH)
     assert verdict.admitted and verdict.predicted_wait_s == 0.0
     ticket.first_token()
     snap = ctl.snapshot()
@@ -173,19 +176,19 @@ def test_interactive_is_refused_only_at_the_hard_limit_and_readmitted_when_a_slo
     tickets = [admit_ok(ctl) for _ in range(4)]
     clock.advance(60.0)  # stuck for a minute: no first token at all
 
-    verdict, ticket = ctl.admit("interactive")
+    verdict, ticket = ctl.admit(INTERACTIVE)
     assert not verdict.admitted and ticket is None
     assert "4 requests waiting" in verdict.reason and "max_waiting_requests=4" in verdict.reason
     assert "oldest waiting 60.00 s" in verdict.reason
     # The oldest age (60 s) is the predicted wait; Retry-After is clamped to the maximum.
     assert verdict.predicted_wait_s == pytest.approx(60.0) and verdict.retry_after_s == 30.0
-    assert not ctl.admit("batch")[0].admitted
+    assert not ctl.admit(BATCH)[0].admitted
 
     tickets[0].first_token()
-    verdict, ticket = ctl.admit("interactive")
+    verdict, ticket = ctl.admit(INTERACTIVE)
     # Below the hard limit an interactive request gets in however long the predicted wait.
     assert verdict.admitted and verdict.predicted_wait_s == pytest.approx(60.0)
-    assert not ctl.admit("interactive")[0].admitted  # full again
+    assert not ctl.admit(INTERACTIVE)[0].admitted  # full again
     tickets[1].done()
     admit_ok(ctl)
     snap = ctl.snapshot()
@@ -200,22 +203,22 @@ def test_retry_after_is_the_predicted_wait_clamped():
     slow.first_token()  # recent TTFT 3 s
     waiting = [admit_ok(ctl), admit_ok(ctl)]
     clock.advance(0.2)
-    verdict, _ = ctl.admit("interactive")  # hard limit; the recent TTFT outweighs the 0.2 s age
+    verdict, _ = ctl.admit(INTERACTIVE)  # hard limit; the recent TTFT outweighs the 0.2 s age
     assert not verdict.admitted and verdict.predicted_wait_s == pytest.approx(3.0)
     assert verdict.retry_after_s == pytest.approx(3.0)
-    verdict, _ = ctl.admit("batch")
+    verdict, _ = ctl.admit(BATCH)
     assert not verdict.admitted and verdict.retry_after_s == pytest.approx(3.0)
 
     clock.advance(2.5)  # the 3 s sample has left the window: the 2.7 s age remains
     waiting[0].done()
-    verdict, _ = ctl.admit("batch")
+    verdict, _ = ctl.admit(BATCH)
     assert not verdict.admitted and verdict.retry_after_s == pytest.approx(2.7)
     waiting[1].done()
 
     short = admit_ok(ctl)
     clock.advance(0.6)
     admit_ok(ctl)
-    verdict, _ = ctl.admit("interactive")  # a short wait at the hard limit: the minimum applies
+    verdict, _ = ctl.admit(INTERACTIVE)  # a short wait at the hard limit: the minimum applies
     assert not verdict.admitted and verdict.predicted_wait_s == pytest.approx(0.6) and verdict.retry_after_s == 1.0
     short.done()
 
@@ -223,7 +226,7 @@ def test_retry_after_is_the_predicted_wait_clamped():
 def test_done_before_first_token_frees_the_slot_without_a_ttft_sample():
     clock = FakeClock()
     ctl = make(clock)
-    cancelled = admit_ok(ctl, "batch")
+    cancelled = admit_ok(ctl, BATCH)
     clock.advance(1.0)
     cancelled.done()
     cancelled.first_token()  # after done(): ignored
@@ -326,15 +329,15 @@ def test_random_sequences_keep_the_counts_and_the_prediction_right():
         clock.advance(rng.expovariate(20.0))
         op = rng.random()
         if op < 0.45:
-            priority = rng.choice(PRIORITIES)
-            attempts[priority] += 1
+            priority = rng.choice(list(Priority))
+            attempts[priority.label] += 1
             num_waiting = sum(1 for s in states.values() if s == "waiting")
             verdict, ticket = ctl.admit(priority)
             assert (ticket is not None) == verdict.admitted and verdict.predicted_wait_s >= 0
             if ticket is None:
                 assert verdict.retry_after_s == pytest.approx(min(max(verdict.predicted_wait_s, 1.0), 30.0))
                 # Interactive traffic meets only the hard limit; batch also the predicted wait.
-                assert num_waiting == 8 or (priority == "batch" and verdict.predicted_wait_s > 0.5)
+                assert num_waiting == 8 or (priority is BATCH and verdict.predicted_wait_s > 0.5)
             else:
                 assert num_waiting < 8
                 states[ticket] = "waiting"
@@ -352,7 +355,7 @@ def test_random_sequences_keep_the_counts_and_the_prediction_right():
                 states[ticket] = "done"
         snap = ctl.snapshot()
         for p in PRIORITIES:
-            expected = sum(1 for t, s in states.items() if s == "waiting" and t.priority == p)
+            expected = sum(1 for t, s in states.items() if s == "waiting" and t.priority.label == p)
             assert snap[f"num_waiting_{p}"] == expected
             assert snap[f"num_admitted_{p}"] + snap[f"num_shed_{p}"] == attempts[p]
         assert snap["num_waiting"] == snap["num_waiting_interactive"] + snap["num_waiting_batch"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from autoscaler.admission import AdmissionPolicy
 from contracts.sampling import SamplingParams
@@ -77,8 +78,11 @@ def test_batch_is_shed_first_and_interactive_only_at_the_hard_limit():
     assert full.status == 429 and "max_waiting_requests" in str(full)
     assert outputs == [["a", "b"]] * 3
     assert inner.sent == ["i0", "b0", "i1", "i3"]  # refused requests never reached a replica
-    assert 'iterserve_ingress_requests_shed_total{model_name="m",ingress="ing",priority="batch"} 1' in metrics
-    assert 'iterserve_ingress_requests_waiting{model_name="m",ingress="ing",priority="interactive"} 2' in metrics
+    series = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for family in text_string_to_metric_families(metrics) for s in family.samples}
+    ingress = (("ingress", "ing"), ("model_name", "m"))
+    assert series[("iterserve_ingress_requests_shed_total", (*ingress, ("priority", "batch")))] == 1
+    assert series[("iterserve_ingress_requests_waiting", (*ingress, ("priority", "interactive")))] == 2
     snapshot = backend.admission.snapshot()
     assert snapshot["num_waiting"] == 0 and snapshot["num_shed_interactive"] == 1
 

@@ -8,7 +8,9 @@ import pytest
 
 from contracts.serving import GenerateRequest
 from deployments.app_config import AppArgs
-from deployments.llm_server import AdmissionConfig, LLMServer, _engine_config
+from autoscaler.admission import replica_policy
+from contracts.priority import Priority
+from deployments.llm_server import LLMServer, _engine_config
 from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from tests.unit.fakes import FakeClock, FakeKVRunner, reference_tokens
 
@@ -99,12 +101,12 @@ def test_health_check_raises_once_the_engine_thread_died():
 ])
 def test_bad_admission_config_is_refused(admission, match):
     with pytest.raises(ValueError, match=match):
-        AdmissionConfig(**admission)
+        replica_policy(**admission)
 
 
 def test_batch_limit_is_a_fraction_of_the_interactive_one():
-    config = AdmissionConfig(max_waiting_requests=10, batch_shed_fraction=0.3)
-    assert (config.limit("interactive"), config.limit("batch")) == (10, 3)
+    config = replica_policy(max_waiting_requests=10, batch_shed_fraction=0.3)
+    assert (config.limit(Priority.INTERACTIVE), config.limit(Priority.BATCH)) == (10, 3)
 
 
 def test_engine_args_are_checked_by_name():

@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from deployments import frontend as frontend_module
 from deployments.frontend import OpenAIFrontend
@@ -62,6 +63,14 @@ def sse_events(text: str) -> list:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of the one sample `name` with exactly these labels, as Prometheus reads /metrics."""
+    values = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+              if s.name == name and s.labels == labels]
+    assert len(values) == 1, (name, labels, values)
+    return values[0]
 
 
 def test_completion_matches_the_reference_tokens(make_server):
@@ -206,9 +215,10 @@ def test_overload_sheds_batch_first_with_retry_after(make_server):
         assert interactive.status_code == 200
         await held.aclose()
         metrics = (await client.get("/metrics")).text
-        assert 'iterserve_requests_shed_total{model_name="fake-model",replica="%s",priority="batch"} 1' % (
-            server.replica_id) in metrics
-        assert 'endpoint="/v1/completions",status="429"} 1' in metrics
+        assert metric(metrics, "iterserve_requests_shed_total", model_name=MODEL, replica=server.replica_id,
+                      priority="batch") == 1
+        assert metric(metrics, "iterserve_http_responses_total", ingress="ingress", endpoint="/v1/completions",
+                      status="429") == 1
     run(main())
 
 
@@ -286,15 +296,16 @@ def test_metrics_count_what_was_served(make_server):
             await client.post("/v1/completions", json={"prompt": "abcd", "max_tokens": 4, "ignore_eos": True})
         await client.post("/v1/completions", json={"prompt": "abcd", "n": 2})
         text = (await client.get("/metrics")).text
-        labels = f'model_name="{MODEL}",replica="{server.replica_id}"'
-        assert f"iterserve_time_to_first_token_seconds_count{{{labels}}} 3" in text
-        assert f"iterserve_inter_token_latency_seconds_count{{{labels}}} 9" in text
-        assert f"iterserve_generation_tokens_total{{{labels}}} 12" in text
-        assert f"iterserve_prompt_tokens_total{{{labels}}} 12" in text
-        assert f'iterserve_request_success_total{{{labels},finished_reason="length"}} 3' in text
-        assert f'iterserve_replicas{{model_name="{MODEL}",state="RUNNING"}} 1' in text
-        assert 'endpoint="/v1/completions",status="200"} 3' in text
-        assert 'endpoint="/v1/completions",status="400"} 1' in text
+        replica = {"model_name": MODEL, "replica": server.replica_id}
+        assert metric(text, "iterserve_time_to_first_token_seconds_count", **replica) == 3
+        assert metric(text, "iterserve_inter_token_latency_seconds_count", **replica) == 9
+        assert metric(text, "iterserve_generation_tokens_total", **replica) == 12
+        assert metric(text, "iterserve_prompt_tokens_total", **replica) == 12
+        assert metric(text, "iterserve_request_success_total", **replica, finished_reason="length") == 3
+        assert metric(text, "iterserve_replicas", model_name=MODEL, state="RUNNING") == 1
+        responses = {"ingress": "ingress", "endpoint": "/v1/completions"}
+        assert metric(text, "iterserve_http_responses_total", **responses, status="200") == 3
+        assert metric(text, "iterserve_http_responses_total", **responses, status="400") == 1
     run(main())
 
 
