@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoTokenizer
 from loadtest import hf_baselines as hf
 from loadtest.cpu_contention import ContentionWindow
 from loadtest.engine_driver import measure_efficiency, run_engine
-from loadtest.metrics import RequestRecord, RunSummary, format_table, summarize
+from loadtest.results import RequestResult, RunSummary, format_table, summarize_offline
 from loadtest.traces import (
     BenchRequest,
     LengthScaler,
@@ -149,7 +149,7 @@ class Runners:
                                                  dtype=DTYPES[self.dtype])
         return self._built["hf"]
 
-    def run(self, system: str, workload: list[BenchRequest], pad_id: int) -> list[RequestRecord]:
+    def run(self, system: str, workload: list[BenchRequest], pad_id: int) -> list[RequestResult]:
         if system in ("continuous", "static"):
             engine = self._engine(system)
             engine.reset_prefix_cache()  # each round starts cold: its prompts were seen before
@@ -231,7 +231,7 @@ def run_systems(args: argparse.Namespace, runners: Runners, workloads: dict[str,
             for system in args.systems:
                 gflops = matmul_gflops(args.threads)
                 window = ContentionWindow.start()
-                summary = summarize(runners.run(system, workload, pad_id))
+                summary = summarize_offline(runners.run(system, workload, pad_id))
                 foreign = window.foreign_share()
                 runs[pattern][system].append((summary, {"machine_gflops": gflops, "foreign_cpu_share": foreign}))
                 busy = f"  (other processes took {foreign:.0%} of the CPU: noisy)" if (foreign or 0) > 0.1 else ""

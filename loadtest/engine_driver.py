@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.metrics import RequestRecord
+from loadtest.results import RequestResult
 from loadtest.traces import BenchRequest, build_prompt
 
 Clock = Callable[[], float]
@@ -22,7 +22,7 @@ Clock = Callable[[], float]
 
 def run_engine(engine: Any, workload: list[BenchRequest], make_params: Callable[[int], Any],
                clock: Clock = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
-               ) -> list[RequestRecord]:
+               ) -> list[RequestResult]:
     """Submit each request when its arrival time has come, step until all finish, and note when
     each request's first token and final output reach the caller (seconds since the start).
 
@@ -30,7 +30,7 @@ def run_engine(engine: Any, workload: list[BenchRequest], make_params: Callable[
     running, sleep until the next arrival rather than spin on empty steps.
     """
     pending = deque(sorted(workload, key=lambda r: r.arrival_s))
-    records = {r.request_id: RequestRecord(r.request_id, r.arrival_s, r.output_tokens) for r in pending}
+    records = {r.request_id: RequestResult.offline(r.request_id, r.arrival_s, r.output_tokens) for r in pending}
     num_tokens = dict.fromkeys(records, 0)
     start = clock()
     while pending or engine.has_unfinished():

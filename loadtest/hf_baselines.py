@@ -1,6 +1,6 @@
 """The two transformers baselines: `generate` in static batches, and transformers' own continuous
 batching manager. Both replay a workload (list of BenchRequest) against a wall clock and return one
-RequestRecord per request, times in seconds since the start of the run.
+RequestResult per request, times in seconds since the start of the run.
 
 Both are fed the workload's token ids directly and generate exactly each request's output length
 (EOS disabled), greedy, so they do the same work as our engine.
@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from loadtest.metrics import RequestRecord
+from loadtest.results import RequestResult
 from loadtest.traces import BenchRequest
 
 Clock = Callable[[], float]
@@ -99,13 +99,13 @@ def generate_static_batch(model: torch.nn.Module, batch: list[BenchRequest], pad
 
 def run_hf_generate(model: torch.nn.Module, workload: list[BenchRequest], batch_size: int, pad_id: int,
                     clock: Clock = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
-                    ) -> list[RequestRecord]:
+                    ) -> list[RequestResult]:
     """Static batching: a batch starts when the previous one ends, with the requests that have
     arrived by then (up to batch_size; if none has, wait for the next). Every request in a batch gets
     its first token at the batch's first step and finishes when the whole batch returns. Each is
     credited only its own output length."""
     pending = sorted(workload, key=lambda r: r.arrival_s)
-    records = {r.request_id: RequestRecord(r.request_id, r.arrival_s, r.output_tokens) for r in pending}
+    records = {r.request_id: RequestResult.offline(r.request_id, r.arrival_s, r.output_tokens) for r in pending}
     start = clock()
     while pending:
         now = clock() - start
@@ -134,7 +134,7 @@ def _cb_config(options: HFContinuousOptions) -> ContinuousBatchingConfig:
 
 @torch.inference_mode()
 def run_hf_continuous(model: torch.nn.Module, workload: list[BenchRequest], options: HFContinuousOptions,
-                      ) -> list[RequestRecord]:
+                      ) -> list[RequestResult]:
     """transformers' ContinuousBatchingManager, fed each request at its arrival time with its own
     max_new_tokens and EOS disabled (-1). TTFT comes from the manager's own per-token timestamps
     (time.perf_counter, hence no clock argument); the finish time is when the caller receives the
@@ -155,9 +155,9 @@ def run_hf_continuous(model: torch.nn.Module, workload: list[BenchRequest], opti
         model.set_attn_implementation(original_attn)
 
 
-def _drive_cb_manager(manager: Any, workload: list[BenchRequest]) -> list[RequestRecord]:
+def _drive_cb_manager(manager: Any, workload: list[BenchRequest]) -> list[RequestResult]:
     pending = sorted(workload, key=lambda r: r.arrival_s)
-    records = {r.request_id: RequestRecord(r.request_id, r.arrival_s, r.output_tokens) for r in pending}
+    records = {r.request_id: RequestResult.offline(r.request_id, r.arrival_s, r.output_tokens) for r in pending}
     num_finished = 0
     start = time.perf_counter()
     while num_finished < len(records):

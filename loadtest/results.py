@@ -1,4 +1,8 @@
-"""What a serving load test measured, per request and in summary. Pure Python.
+"""What a benchmark run measured, per request and in summary. Pure Python.
+
+One record and one summary serve both kinds of run: an HTTP load test (the client fills in a
+RequestResult per request) and an offline engine run (bench_engine's drivers fill in the same
+record, made by `RequestResult.offline`, and report `summarize_offline`, a flat view of `summarize`).
 
 Times are seconds on one clock with 0 at the start of the run. A request is counted whatever
 happened to it: refused (429), failed, or cut off by the run's time limit, never dropped. The
@@ -63,6 +67,15 @@ class RequestResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def offline(cls, request_id: str, arrival_s: float, output_tokens: int,
+                first_token_s: float | None = None, finish_s: float | None = None) -> "RequestResult":
+        """A request of an offline engine run, which has no HTTP. It counts as sent at its scheduled
+        arrival, so a system that only takes it later pays for the wait, and as answered (200): a
+        failing offline run raises rather than marking its requests."""
+        return cls(request_id, arrival_s=arrival_s, sent_s=arrival_s, status=200, output_tokens=output_tokens,
+                   first_token_s=first_token_s, finish_s=finish_s)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RequestResult":
@@ -131,3 +144,58 @@ def summarize(results: list[RequestResult], slo: SLO = SLO(), duration_s: float 
         "goodput": met / len(results),
         "goodput_rps": per_s(met),
     }
+
+
+@dataclass(slots=True, frozen=True)
+class RunSummary:
+    """`summarize`'s figures of an offline engine run, flat, under the names bench_engine reports."""
+
+    num_requests: int
+    # Sum of the requests' own output tokens (no padding, no tokens past a request's length).
+    useful_tokens: int
+    # From the start of the run to the last finish.
+    wall_s: float
+    useful_tokens_per_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    e2e_p50_s: float
+    e2e_p90_s: float
+    e2e_p99_s: float
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def summarize_offline(results: list[RequestResult], start_s: float = 0.0) -> RunSummary:
+    """`summarize` of an offline run, with wall time from `start_s` to the last finish. Raises if
+    any request did not finish, so a broken run never reports numbers."""
+    if not results:
+        raise ValueError("no requests to summarize")
+    unfinished = [r.request_id for r in results if not r.ok or r.first_token_s is None]
+    if unfinished:
+        raise ValueError(f"{len(unfinished)} requests unfinished, e.g. {unfinished[:3]}")
+    wall_s = max(r.finish_s for r in results) - start_s  # type: ignore[type-var]
+    # summarize would report 0 tokens/s here; an offline run that took no time is a broken clock.
+    if not wall_s > 0:
+        raise ValueError(f"wall_s must be > 0, got {wall_s!r}")
+    s = summarize(results, duration_s=wall_s)
+    ttft, e2e = s["ttft_s"], s["e2e_s"]
+    return RunSummary(
+        num_requests=s["num_requests"], useful_tokens=s["total_output_tokens"], wall_s=s["duration_s"],
+        useful_tokens_per_s=s["output_throughput"],
+        ttft_p50_s=ttft["p50"], ttft_p90_s=ttft["p90"], ttft_p99_s=ttft["p99"],
+        e2e_p50_s=e2e["p50"], e2e_p90_s=e2e["p90"], e2e_p99_s=e2e["p99"],
+    )
+
+
+def format_table(rows: dict[str, RunSummary]) -> str:
+    """One line per system: tokens/s, TTFT and end-to-end percentiles in seconds."""
+    header = f"{'system':<16} {'reqs':>5} {'tokens':>7} {'wall_s':>7} {'tok/s':>8} " \
+             f"{'ttft_p50':>9} {'ttft_p99':>9} {'e2e_p50':>8} {'e2e_p99':>8}"
+    lines = [header, "-" * len(header)]
+    for name, s in rows.items():
+        lines.append(f"{name:<16} {s.num_requests:>5} {s.useful_tokens:>7} {s.wall_s:>7.2f} "
+                     f"{s.useful_tokens_per_s:>8.1f} {s.ttft_p50_s:>9.3f} {s.ttft_p99_s:>9.3f} "
+                     f"{s.e2e_p50_s:>8.3f} {s.e2e_p99_s:>8.3f}")
+    return "\n".join(lines)

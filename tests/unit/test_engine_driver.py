@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from loadtest.engine_driver import measure_efficiency, run_engine
-from loadtest.metrics import summarize
+from loadtest.results import summarize_offline
 from loadtest.traces import BenchRequest
 
 
@@ -82,7 +82,7 @@ def test_records_first_token_and_finish_per_request():
     by_id = {r.request_id: r for r in records}
     assert by_id["r0"].ttft_s == pytest.approx(0.1) and by_id["r0"].e2e_s == pytest.approx(0.3)
     assert by_id["r1"].ttft_s == pytest.approx(0.1) and by_id["r1"].e2e_s == pytest.approx(0.1)
-    assert summarize(records).useful_tokens_per_s == pytest.approx(4 / 0.3)
+    assert summarize_offline(records).useful_tokens_per_s == pytest.approx(4 / 0.3)
 
 
 def test_requests_are_added_at_their_arrival_and_idle_time_is_slept():
