@@ -273,11 +273,11 @@ class AdmissionController:
         now = self._clock()
         oldest_s, recent_ttft_s = self._oldest_wait_s(now), self._recent.mean_ttft_s(now)
         stats: dict[str, float] = {
-            "num_waiting": len(self._waiting), "predicted_wait_s": max(oldest_s, recent_ttft_s),
+            "num_waiting_first_token": len(self._waiting), "predicted_wait_s": max(oldest_s, recent_ttft_s),
             "oldest_wait_s": oldest_s, "recent_ttft_s": recent_ttft_s,
             "first_token_rate_per_s": self._recent.rate_per_s(now)}
         for p in Priority:
-            stats[f"num_waiting_{p.label}"] = self._num_waiting[p]
+            stats[f"num_waiting_first_token_{p.label}"] = self._num_waiting[p]
             stats[f"num_admitted_{p.label}"] = self._num_admitted[p]
             stats[f"num_shed_{p.label}"] = self._num_shed[p]
             stats[f"num_timed_out_{p.label}"] = self._num_timed_out[p]

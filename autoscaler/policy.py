@@ -77,7 +77,7 @@ _CEIL_SLACK = 1e-9
 class ReplicaLoad:
     replica_id: str
     # Requests admitted but still without a first token: the queue.
-    num_waiting: int
+    num_waiting_first_token: int
     # Requests in the running batch.
     num_running: int
     # p90 time to first token over the replica's recent window; None: no first token in it.
@@ -188,9 +188,9 @@ def _clamp(value: int, low: int, high: int) -> int:
 
 def _pressures(loads: Sequence[ReplicaLoad], config: AutoscalerConfig) -> dict[str, float]:
     num = len(loads)
-    waiting_per_replica = sum(r.num_waiting for r in loads) / num
+    waiting_per_replica = sum(r.num_waiting_first_token for r in loads) / num
     ttft_s = sum(max(r.ttft_p90_s or 0.0, r.oldest_wait_s) for r in loads) / num
-    kv = max(r.kv_usage / config.kv_high if r.num_waiting > 0 else min(r.kv_usage / config.kv_high, 1.0)
+    kv = max(r.kv_usage / config.kv_high if r.num_waiting_first_token > 0 else min(r.kv_usage / config.kv_high, 1.0)
              for r in loads)
     return {"queue": waiting_per_replica / config.target_queue_per_replica,
             "ttft": ttft_s / config.ttft_slo_s, "kv": kv}
@@ -238,11 +238,11 @@ def _seat_need(loads: Sequence[ReplicaLoad]) -> int:
     """Replicas that would seat every request now running or waiting, at the running count of the
     replicas that have a queue (a replica with requests waiting runs as many as it can hold). 0
     when no replica has a queue: then nothing says what a replica holds."""
-    full = [r.num_running for r in loads if r.num_waiting > 0 and r.num_running > 0]
+    full = [r.num_running for r in loads if r.num_waiting_first_token > 0 and r.num_running > 0]
     if not full:
         return 0
     seats = sum(full) / len(full)
-    return math.ceil(sum(r.num_running + r.num_waiting for r in loads) / seats - _CEIL_SLACK)
+    return math.ceil(sum(r.num_running + r.num_waiting_first_token for r in loads) / seats - _CEIL_SLACK)
 
 
 def _why(pressures: dict[str, float], config: AutoscalerConfig) -> str:
@@ -268,7 +268,7 @@ def _scale_down(loads: Sequence[ReplicaLoad], now_s: float, config: AutoscalerCo
         return demand, AutoscalerState(demand, None, since_s, state.last_scale_up_s), f"hold: calm for {calm_s:.0f} s"
     # Idle: nothing waits or runs, and no first token came in the replicas' TTFT window either, so
     # this is not a momentary gap between requests (at 1x load two replicas are often both empty).
-    idle = all(r.num_waiting == 0 and r.num_running == 0 and r.ttft_p90_s is None for r in loads)
+    idle = all(r.num_waiting_first_token == 0 and r.num_running == 0 and r.ttft_p90_s is None for r in loads)
     # Never below the replicas that seat what runs now within down_seat_utilization: a queue shows
     # only once a replica is full, so "calm" alone would remove capacity the load still uses.
     new_demand = config.min_replicas if idle else min(demand, max(demand - 1, floor, config.min_replicas))

@@ -69,7 +69,7 @@ def replica_loads(raw_metrics: Mapping[str, Mapping[Any, Sequence[Any]]], runnin
         ttft = newest.get("ttft_p90_s")
         loads.append(ReplicaLoad(
             replica_id=str(getattr(replica, "unique_id", replica)),
-            num_waiting=math.ceil(waiting[1] + extra_waiting),
+            num_waiting_first_token=math.ceil(waiting[1] + extra_waiting),
             num_running=int(_value(newest.get("num_running"))),
             ttft_p90_s=ttft[1] if ttft is not None and ttft[0] >= report_s else None,
             oldest_wait_s=_value(newest.get("oldest_wait_s")),

@@ -5,11 +5,12 @@ Serve's hooks must return plain dicts (`record_routing_stats`) and numbers
 they came. So each report is a dataclass the replica fills and the reader parses back: the keys
 exist once, here, and a reader cannot ask for a key the writer does not send.
 
-One meaning per name:
-- `num_queued`: requests in the engine's scheduler queue, not yet scheduled (the engine's
-  `stats()["num_waiting"]`).
-- `num_waiting_first_token`: requests the replica admitted that have no first token yet (queued
-  or prefilling): the queue the autoscaler scales on.
+One meaning per name, here and in every package:
+- `num_queued` here, `EngineStats.num_waiting` in the engine (vLLM's meaning): requests in the
+  engine's scheduler queue, not yet scheduled.
+- `num_waiting_first_token`: requests admitted (by a replica here and in the autoscaler's
+  `ReplicaLoad`; by an ingress in its admission snapshot) that have no first token yet, queued or
+  prefilling: the queue the autoscaler scales on and admission control sheds by.
 """
 
 from __future__ import annotations

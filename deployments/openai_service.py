@@ -123,7 +123,7 @@ class OpenAIService:
                                         "Admitted requests given up with 503 for want of a first token in time.",
                                         labels=["priority"])
         for priority in ("interactive", "batch"):
-            waiting.add_metric([priority], snapshot[f"num_waiting_{priority}"])
+            waiting.add_metric([priority], snapshot[f"num_waiting_first_token_{priority}"])
             shed.add_metric([priority], snapshot[f"num_shed_{priority}"])
             timed_out.add_metric([priority], snapshot[f"num_timed_out_{priority}"])
         predicted = GaugeMetricFamily("iterserve_ingress_predicted_wait_seconds",

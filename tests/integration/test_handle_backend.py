@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import pytest
 from ray.exceptions import ActorDiedError
 
+from autoscaler.admission import AdmissionController, replica_policy
+from contracts.priority import Priority
 from contracts.serving import GenerateRequest
 from deployments.errors import APIError
 from deployments.handle_backend import HandleBackend
@@ -199,9 +201,10 @@ def test_unary_generate_migrates_too(cluster):
 
 def test_when_every_replica_sheds_the_client_gets_429_with_retry_after(cluster):
     handle, backend = cluster
+    saved = {name: replica.admission for name, replica in handle.replicas.items()}
     for replica in handle.replicas.values():
-        replica.admission.max_waiting_requests = 1
-        replica.num_waiting["interactive"] = 1  # as if one request waited on each
+        replica.admission = AdmissionController(replica_policy(max_waiting_requests=1), replica.clock)
+        replica.admission.admit(Priority.INTERACTIVE)  # as if one request waited on each
 
     async def main():
         with pytest.raises(APIError) as info:
@@ -211,8 +214,8 @@ def test_when_every_replica_sheds_the_client_gets_429_with_retry_after(cluster):
     error = run(main())
     assert error.status == 429 and error.code == "overloaded" and error.retry_after_s
     assert len(handle.calls) == 3
-    for replica in handle.replicas.values():
-        replica.num_waiting["interactive"] = 0
+    for name, admission in saved.items():
+        handle.replicas[name].admission = admission
 
 
 class CountingBroadcast:

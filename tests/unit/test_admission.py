@@ -75,13 +75,13 @@ def test_steady_load_predicts_the_recent_ttft():
     verdict, ticket = ctl.admit(BATCH)
     assert verdict.admitted and verdict.predicted_wait_s == pytest.approx(0.06)
     snap = ctl.snapshot()
-    assert snap["num_waiting"] == 4 and snap["num_waiting_batch"] == 2 and snap["num_waiting_interactive"] == 2
+    assert snap["num_waiting_first_token"] == 4 and snap["num_waiting_first_token_batch"] == 2 and snap["num_waiting_first_token_interactive"] == 2
     assert snap["oldest_wait_s"] == pytest.approx(0.06) and snap["recent_ttft_s"] == pytest.approx(0.03)
     assert snap["num_shed_batch"] == snap["num_shed_interactive"] == 0
     for t in [*tickets, ticket]:
         t.first_token()
         t.done()
-    assert ctl.snapshot()["num_waiting"] == 0
+    assert ctl.snapshot()["num_waiting_first_token"] == 0
 
 
 def test_light_load_admits_batch_with_one_request_in_flight():
@@ -104,7 +104,7 @@ def test_light_load_admits_batch_with_one_request_in_flight():
     assert verdict.admitted and verdict.predicted_wait_s == pytest.approx(0.1)
     for t in (in_flight, batch, other):
         t.done()
-    assert ctl.snapshot()["num_waiting"] == 0
+    assert ctl.snapshot()["num_waiting_first_token"] == 0
 
 
 def test_a_growing_queue_sheds_batch_and_admits_interactive_up_to_the_hard_limit():
@@ -142,7 +142,7 @@ def test_a_growing_queue_sheds_batch_and_admits_interactive_up_to_the_hard_limit
     assert snap["first_token_rate_per_s"] == pytest.approx(10)
     for t in queue:
         t.done()
-    assert ctl.snapshot()["num_waiting"] == 0
+    assert ctl.snapshot()["num_waiting_first_token"] == 0
 
 
 def test_batch_is_admitted_again_once_the_queue_drains_and_the_window_passes():
@@ -158,7 +158,7 @@ def test_batch_is_admitted_again_once_the_queue_drains_and_the_window_passes():
         queue.popleft().first_token()
     # Empty queue, but the requests just served waited seconds: batch stays shed for the window.
     snap = ctl.snapshot()
-    assert snap["num_waiting"] == 0 and snap["oldest_wait_s"] == 0.0 and snap["recent_ttft_s"] > 0.5
+    assert snap["num_waiting_first_token"] == 0 and snap["oldest_wait_s"] == 0.0 and snap["recent_ttft_s"] > 0.5
     verdict, _ = ctl.admit(BATCH)
     assert not verdict.admitted and verdict.predicted_wait_s == pytest.approx(snap["recent_ttft_s"])
 
@@ -192,7 +192,7 @@ def test_interactive_is_refused_only_at_the_hard_limit_and_readmitted_when_a_slo
     tickets[1].done()
     admit_ok(ctl)
     snap = ctl.snapshot()
-    assert snap["num_shed_interactive"] == 2 and snap["num_shed_batch"] == 1 and snap["num_waiting"] == 4
+    assert snap["num_shed_interactive"] == 2 and snap["num_shed_batch"] == 1 and snap["num_waiting_first_token"] == 4
 
 
 def test_retry_after_is_the_predicted_wait_clamped():
@@ -232,7 +232,7 @@ def test_done_before_first_token_frees_the_slot_without_a_ttft_sample():
     cancelled.first_token()  # after done(): ignored
     cancelled.done()
     snap = ctl.snapshot()
-    assert snap["num_waiting"] == snap["num_waiting_batch"] == 0
+    assert snap["num_waiting_first_token"] == snap["num_waiting_first_token_batch"] == 0
     # Its 1 s wait is no TTFT: nothing waits and nothing was served, so no wait is predicted.
     assert snap["first_token_rate_per_s"] == 0.0 and snap["recent_ttft_s"] == 0.0 and snap["predicted_wait_s"] == 0.0
 
@@ -246,7 +246,7 @@ def test_done_before_first_token_frees_the_slot_without_a_ttft_sample():
         assert scoped.waiting
     assert not scoped.waiting
     snap = ctl.snapshot()
-    assert snap["num_waiting"] == snap["num_waiting_interactive"] == 0
+    assert snap["num_waiting_first_token"] == snap["num_waiting_first_token_interactive"] == 0
     assert snap["recent_ttft_s"] == pytest.approx(0.2)  # one sample: the served one
     assert snap["first_token_rate_per_s"] == pytest.approx(1 / 2.0)  # one first token in the 2 s window
 
@@ -315,7 +315,7 @@ def test_unknown_priority_is_refused_with_value_error(priority):
     ctl = make(FakeClock())
     with pytest.raises(ValueError, match="priority"):
         ctl.admit(priority)
-    assert ctl.snapshot()["num_waiting"] == 0
+    assert ctl.snapshot()["num_waiting_first_token"] == 0
 
 
 def test_random_sequences_keep_the_counts_and_the_prediction_right():
@@ -356,9 +356,9 @@ def test_random_sequences_keep_the_counts_and_the_prediction_right():
         snap = ctl.snapshot()
         for p in PRIORITIES:
             expected = sum(1 for t, s in states.items() if s == "waiting" and t.priority.label == p)
-            assert snap[f"num_waiting_{p}"] == expected
+            assert snap[f"num_waiting_first_token_{p}"] == expected
             assert snap[f"num_admitted_{p}"] + snap[f"num_shed_{p}"] == attempts[p]
-        assert snap["num_waiting"] == snap["num_waiting_interactive"] + snap["num_waiting_batch"]
+        assert snap["num_waiting_first_token"] == snap["num_waiting_first_token_interactive"] + snap["num_waiting_first_token_batch"]
         recent = [ttft for t, ttft in first_tokens if t >= clock() - 2.0]
         admitted_s = [t.admitted_s for t, s in states.items() if s == "waiting"]
         assert snap["recent_ttft_s"] == pytest.approx(sum(recent) / len(recent) if recent else 0.0)
@@ -369,4 +369,4 @@ def test_random_sequences_keep_the_counts_and_the_prediction_right():
     assert len(states) > 300 and snap["num_shed_batch"] > 0 and snap["num_shed_interactive"] > 0
     for ticket in states:
         ticket.done()
-    assert ctl.snapshot()["num_waiting"] == 0
+    assert ctl.snapshot()["num_waiting_first_token"] == 0

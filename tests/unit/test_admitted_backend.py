@@ -84,7 +84,7 @@ def test_batch_is_shed_first_and_interactive_only_at_the_hard_limit():
     assert series[("iterserve_ingress_requests_shed_total", (*ingress, ("priority", "batch")))] == 1
     assert series[("iterserve_ingress_requests_waiting", (*ingress, ("priority", "interactive")))] == 2
     snapshot = backend.admission.snapshot()
-    assert snapshot["num_waiting"] == 0 and snapshot["num_shed_interactive"] == 1
+    assert snapshot["num_waiting_first_token"] == 0 and snapshot["num_shed_interactive"] == 1
 
 
 def test_a_request_closed_before_its_first_token_leaves_the_queue():
@@ -93,14 +93,14 @@ def test_a_request_closed_before_its_first_token_leaves_the_queue():
 
     async def main():
         stream = await first_chunk(backend, "gone")
-        waiting = backend.admission.snapshot()["num_waiting"]
+        waiting = backend.admission.snapshot()["num_waiting_first_token"]
         await stream.aclose()  # the client hung up
         again = await first_chunk(backend, "next")
         await again.aclose()
         return waiting
 
     assert asyncio.run(main()) == 1
-    assert backend.admission.snapshot()["num_waiting"] == 0
+    assert backend.admission.snapshot()["num_waiting_first_token"] == 0
 
 
 def test_unary_requests_are_watched_through_their_stream():
@@ -110,4 +110,4 @@ def test_unary_requests_are_watched_through_their_stream():
     backend = AdmittedBackend(inner, AdmissionPolicy(), clock)
     whole = asyncio.run(backend.generate(request("u")))
     assert (whole.text, whole.token_ids, whole.finished) == ("ab", [1, 2], True)
-    assert backend.admission.snapshot()["num_waiting"] == 0
+    assert backend.admission.snapshot()["num_waiting_first_token"] == 0

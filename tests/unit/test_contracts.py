@@ -59,7 +59,7 @@ def test_the_autoscaler_reads_exactly_what_a_load_report_sends():
                         num_shed=0, num_free_kv_blocks=16, num_total_kv_blocks=64, ttft_p90_s=0.9)
     raw = {name: {"r": [Sample(10.0, value)]} for name, value in report.to_metrics().items()}
     (load,) = replica_loads(raw, ["r"])
-    assert (load.num_waiting, load.num_running, load.ttft_p90_s, load.oldest_wait_s, load.kv_usage,
+    assert (load.num_waiting_first_token, load.num_running, load.ttft_p90_s, load.oldest_wait_s, load.kv_usage,
             load.num_seats) == (4, 6, 0.9, 1.5, 0.75, 8)
 
 

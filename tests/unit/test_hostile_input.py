@@ -162,4 +162,4 @@ def test_a_request_without_a_first_token_in_time_gets_503_and_is_dropped(priorit
     assert waited_s >= timeout_s * 0.9
     assert inner.closed == 1, "the replica's request was cancelled"
     snapshot = backend.admission.snapshot()
-    assert snapshot[f"num_timed_out_{priority}"] == 1 and snapshot["num_waiting"] == 0
+    assert snapshot[f"num_timed_out_{priority}"] == 1 and snapshot["num_waiting_first_token"] == 0

@@ -57,7 +57,7 @@ def test_newest_report_of_each_replica_becomes_its_load():
     assert [load.replica_id for load in loads] == ["a", "b"]  # c has not reported: not capacity yet
     first, second = loads
     # 3 requests queued in the routers count as one more waiting on each of the 3 replicas.
-    assert (first.num_waiting, first.num_running, first.ttft_p90_s, first.oldest_wait_s, first.kv_usage,
+    assert (first.num_waiting_first_token, first.num_running, first.ttft_p90_s, first.oldest_wait_s, first.kv_usage,
             first.num_seats) == (4, 2, 0.4, 0.7, 0.5, 4)
     assert second.ttft_p90_s is None
 
