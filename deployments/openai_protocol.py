@@ -1,49 +1,31 @@
-"""The OpenAI completions and chat-completions protocol: parse and check a request body, and shape
-responses and stream chunks. Pure Python: no tokenizer, no Ray.
+"""The OpenAI completions and chat-completions protocol: parse a request body into a ParsedRequest,
+and shape responses and stream chunks, with the models of the response bodies. Pure Python: no
+tokenizer, no Ray.
 
-Parsing never trusts the JSON: every field is checked for type and range, and each failure is an
-APIError naming the parameter. Parameters we do not implement are accepted at their default values
-(so clients that always send `logprobs: null` or `presence_penalty: 0` work) and refused otherwise.
-Unknown fields are ignored, as OpenAI and vLLM do.
+The request models and their checks are in deployments/openai_models.py; a refused body is an
+APIError naming the parameter.
 """
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from contracts.checks import is_int
+from pydantic import BaseModel, ConfigDict, Field
+
 from contracts.priority import Priority
 from contracts.sampling import SamplingParams, SamplingParamsError
-from deployments.errors import APIError, invalid
+from deployments.errors import invalid
+from deployments.openai_models import (CHAT_ROLES, MAX_PROMPTS_PER_REQUEST, ChatCompletionRequest, CompletionRequest,
+                                       validate)
 
-# A completions request may batch prompts; more than this in one body is refused.
-MAX_PROMPTS_PER_REQUEST = 256
-# JSON may carry "\ud800" escapes, which decode to lone surrogates: not Unicode text, and no
-# tokenizer can encode them (they failed with a 500).
-_SURROGATE = re.compile("[\ud800-\udfff]")
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-# Accepted only at these values: (parameter, predicate that says "this is the default").
-_UNSUPPORTED_UNLESS_DEFAULT: tuple[tuple[str, Any], ...] = (
-    ("logprobs", lambda v: v in (None, False, 0)),
-    ("top_logprobs", lambda v: v in (None, 0)),
-    ("echo", lambda v: v in (None, False)),
-    ("best_of", lambda v: v in (None, 1)),
-    ("suffix", lambda v: v in (None, "")),
-    ("logit_bias", lambda v: v in (None, {})),
-    ("presence_penalty", lambda v: v in (None, 0)),
-    ("frequency_penalty", lambda v: v in (None, 0)),
-    ("repetition_penalty", lambda v: v in (None, 1)),
-    ("min_tokens", lambda v: v in (None, 0)),
-    ("tools", lambda v: v in (None, [])),
-    ("functions", lambda v: v in (None, [])),
-    ("tool_choice", lambda v: v in (None, "none")),
-    ("response_format", lambda v: v is None or v == {"type": "text"}),
-)
+__all__ = ["CHAT_ROLES", "MAX_PROMPTS_PER_REQUEST", "AssistantMessage", "ChatChoice", "ChatChunkChoice",
+           "ChatCompletion", "ChatCompletionChunk", "ChatDelta", "Completion", "CompletionChoice", "CompletionChunk",
+           "CompletionChunkChoice", "ErrorDetail", "ErrorResponse", "FinishReason", "Health", "ModelCard",
+           "ModelList", "ParsedRequest", "PromptTokensDetails", "StopReason", "Usage", "choice",
+           "completion_response", "parse_chat", "parse_completion", "stream_chunk", "usage", "usage_chunk"]
 
 
 @dataclass(slots=True)
@@ -61,7 +43,7 @@ class ParsedRequest:
     sampling: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
-    priority: str = "interactive"
+    priority: Priority = Priority.INTERACTIVE
     user: str | None = None
     request_id: str = ""
     created: int = 0
@@ -74,162 +56,165 @@ class ParsedRequest:
 
 
 def parse_completion(body: Any, served_model: str) -> ParsedRequest:
-    body = _object(body)
-    parsed = _common(body, "completion", served_model, "cmpl-")
-    if "prompt" not in body:
-        raise invalid("prompt", "prompt is required")
-    parsed.prompts = _prompts(body["prompt"])
-    parsed.max_tokens = _optional_int(body, "max_tokens")
-    if parsed.max_tokens is None:
-        parsed.max_tokens = 16  # the OpenAI completions default
+    request = validate(CompletionRequest, body, served_model)
+    parsed = _parsed(request, "completion", served_model, "cmpl-")
+    parsed.prompts = request.prompt
+    parsed.max_tokens = 16 if request.max_tokens is None else request.max_tokens  # the OpenAI completions default
     return parsed
 
 
 def parse_chat(body: Any, served_model: str) -> ParsedRequest:
-    body = _object(body)
-    parsed = _common(body, "chat", served_model, "chatcmpl-")
-    parsed.messages = _messages(body.get("messages"))
-    max_tokens = _optional_int(body, "max_tokens")
-    max_completion_tokens = _optional_int(body, "max_completion_tokens")
-    if max_tokens is not None and max_completion_tokens is not None and max_tokens != max_completion_tokens:
-        raise invalid("max_completion_tokens", "max_tokens and max_completion_tokens disagree; send one")
-    parsed.max_tokens = max_completion_tokens if max_completion_tokens is not None else max_tokens
-    add_generation_prompt = body.get("add_generation_prompt", True)
-    if not isinstance(add_generation_prompt, bool):
-        raise invalid("add_generation_prompt", "add_generation_prompt must be a boolean")
-    parsed.add_generation_prompt = add_generation_prompt
+    request = validate(ChatCompletionRequest, body, served_model)
+    parsed = _parsed(request, "chat", served_model, "chatcmpl-")
+    parsed.messages = request.messages
+    parsed.max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
+        else request.max_tokens
+    parsed.add_generation_prompt = request.add_generation_prompt
     return parsed
 
 
-def _common(body: dict[str, Any], kind: str, served_model: str, id_prefix: str) -> ParsedRequest:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise invalid("model", "model must be a string")
-    if model is not None and model != served_model:
-        raise APIError(f"the model {model!r} does not exist; this server serves {served_model!r}", 404,
-                       "invalid_request_error", "model", "model_not_found")
-    for name, is_default in _UNSUPPORTED_UNLESS_DEFAULT:
-        if name in body and not _safe(is_default, body[name]):
-            raise invalid(name, f"{name} is not supported by this server; omit it or send its default")
-    n = _integral(body.get("n"))
-    if n is not None and (not is_int(n) or n != 1):
-        raise invalid("n", f"n must be 1 (one choice per prompt); got {n!r}")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise invalid("stream", "stream must be a boolean")
-    include_usage = _stream_options(body.get("stream_options"), stream)
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise invalid("user", "user must be a string")
-    try:
-        priority = Priority.parse(body.get("priority") or "interactive").label
-    except ValueError as exc:
-        raise invalid("priority", str(exc)) from None
-    return ParsedRequest(kind=kind, model=served_model, sampling=_sampling(body), stream=stream,
-                         include_usage=include_usage, priority=priority, user=user,
+def _parsed(request: CompletionRequest | ChatCompletionRequest, kind: str, served_model: str,
+            id_prefix: str) -> ParsedRequest:
+    include_usage = request.stream_options is not None and request.stream_options.include_usage
+    return ParsedRequest(kind=kind, model=served_model, sampling=request.sampling(), stream=bool(request.stream),
+                         include_usage=include_usage, priority=request.priority, user=request.user,
                          request_id=id_prefix + uuid.uuid4().hex, created=int(time.time()))
 
 
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    """The SamplingParams fields the body sets; SamplingParams itself checks their values."""
-    sampling: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "top_k", "seed", "ignore_eos"):
-        if body.get(name) is not None:
-            sampling[name] = _integral(body[name]) if name in ("top_k", "seed") else body[name]
-    stop = body.get("stop")
-    if stop is not None:
-        sampling["stop"] = [stop] if isinstance(stop, str) else stop
-        if isinstance(sampling["stop"], list):
-            for s in sampling["stop"]:
-                if isinstance(s, str):
-                    _text(s, "stop")
-    if body.get("stop_token_ids") is not None:
-        ids = body["stop_token_ids"]
-        sampling["stop_token_ids"] = [_integral(t) for t in ids] if isinstance(ids, list) else ids
-    try:  # check now, with a placeholder max_tokens, so a bad value fails before any tokenizing
-        SamplingParams(max_tokens=1, **sampling)
-    except SamplingParamsError as exc:
-        raise invalid(exc.param, str(exc)) from None
-    return sampling
-
-
-def _stream_options(options: Any, stream: bool) -> bool:
-    if options is None:
-        return False
-    if not stream:
-        raise invalid("stream_options", "stream_options is only allowed when stream is true")
-    if not isinstance(options, dict):
-        raise invalid("stream_options", "stream_options must be an object")
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise invalid("stream_options", "stream_options.include_usage must be a boolean")
-    return include_usage
-
-
-def _prompts(prompt: Any) -> list[str | list[int]]:
-    if isinstance(prompt, list):  # token ids may come as integral floats (5.0), as JSON allows
-        prompt = [[_integral(t) for t in p] if isinstance(p, list) else _integral(p) for p in prompt]
-    if isinstance(prompt, str):
-        prompts: list[str | list[int]] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        prompts = [list(prompt)]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt):
-        prompts = [list(p) for p in prompt]
-    else:
-        raise invalid("prompt", "prompt must be a string, a list of strings, a list of token ids or a list "
-                                "of lists of token ids, and not empty")
-    if len(prompts) > MAX_PROMPTS_PER_REQUEST:
-        raise invalid("prompt", f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request; got {len(prompts)}")
-    if any(p == "" for p in prompts):
-        raise invalid("prompt", "prompt must not be empty", "empty_prompt")
-    for p in prompts:
-        if isinstance(p, str):
-            _text(p, "prompt")
-    return prompts
-
-
-def _messages(messages: Any) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "messages must be a non-empty list of {role, content} objects")
-    normalized = []
-    for index, message in enumerate(messages):
-        param = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise invalid(param, f"{param} must be an object")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise invalid(f"{param}.role", f"{param}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
-        content = _text(_content(message.get("content"), role, f"{param}.content"), f"{param}.content")
-        entry: dict[str, Any] = {"role": role, "content": content}
-        if isinstance(message.get("name"), str):
-            entry["name"] = _text(message["name"], f"{param}.name")
-        normalized.append(entry)
-    return normalized
-
-
-def _content(content: Any, role: str, param: str) -> str:
-    """Text content as one string: a string, or a list of {"type": "text", "text"} parts."""
-    if content is None and role == "assistant":
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(param, f"{param} parts must be {{\"type\": \"text\", \"text\": ...}}: this model "
-                                     "takes text only")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise invalid(param, f"{param} must be a string or a list of text parts")
-
-
 # ---- responses ------------------------------------------------------------------------------------
+# The models describe the bodies (GET /openapi.json); the builders below write them as plain dicts:
+# a stream sends one chunk per token, and a dict costs 0.6 us where a model and its dump cost 11 us.
+
+FinishReason = Literal["stop", "length", "abort"]
+# The stop token id or stop string that ended the choice (finish_reason "stop").
+StopReason = int | str | None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: FinishReason
+    stop_reason: StopReason
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: FinishReason
+    stop_reason: StopReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: FinishReason | None
+    stop_reason: StopReason = Field(None, description="Only on a choice's last chunk.")
+
+
+class CompletionChunk(BaseModel):
+    """One `data:` event of a completions stream."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = Field(None, description="With stream_options.include_usage only: null on every "
+                                                  "chunk but the last, which has no choices.")
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = Field(None, description="Only on a choice's first chunk.")
+    content: str | None = Field(None, description="Absent on a last chunk without new text.")
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None
+    finish_reason: FinishReason | None
+    stop_reason: StopReason = Field(None, description="Only on a choice's last chunk.")
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a chat-completions stream."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, description="With stream_options.include_usage only: null on every "
+                                                  "chunk but the last, which has no choices.")
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int = Field(description="Context length in tokens, prompt and output together.")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = Field(description="The refused parameter's path, such as messages[0].content.")
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    status: Literal["ok", "unavailable"]
+
+
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -281,51 +266,3 @@ def _chunk_envelope(parsed: ParsedRequest, choices: list[dict[str, Any]]) -> dic
     if parsed.include_usage:
         chunk["usage"] = None  # as OpenAI does: null on every chunk but the last
     return chunk
-
-
-# ---- helpers --------------------------------------------------------------------------------------
-
-
-def _object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object")
-    return body
-
-
-def _text(value: str, param: str) -> str:
-    """The string, if it is Unicode text (no lone surrogate)."""
-    match = _SURROGATE.search(value)
-    if match is not None:
-        raise invalid(param, f"{param} is not valid Unicode text: a lone surrogate U+{ord(match.group()):04X} at "
-                             f"character {match.start()}", "invalid_text")
-    return value
-
-
-def _optional_int(body: dict[str, Any], name: str) -> int | None:
-    value = _integral(body.get(name))
-    if value is None:
-        return None
-    if not is_int(value) or value < 1:
-        raise invalid(name, f"{name} must be an integer >= 1; got {_short_repr(value)}")
-    return value
-
-
-def _integral(value: Any) -> Any:
-    """An integral float (16.0) as the int it is: JSON has one number type, and JSON Schema, OpenAI
-    and vLLM (pydantic) take 16.0 where an integer is due. Anything else is returned unchanged, for
-    the caller's check to refuse."""
-    if isinstance(value, float) and value.is_integer() and abs(value) <= 2.0**64:
-        return int(value)
-    return value
-
-
-def _short_repr(value: Any, limit: int = 100) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def _safe(predicate: Any, value: Any) -> bool:
-    try:
-        return bool(predicate(value))
-    except Exception:  # an unhashable or odd value is simply not the default
-        return False

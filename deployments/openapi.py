@@ -1,115 +1,132 @@
-"""The OpenAPI 3.1 description of the HTTP API, served at GET /openapi.json. Pure data.
+"""The OpenAPI 3.1 description of the HTTP API, served at GET /openapi.json.
 
-Written by hand from what deployments/openai_protocol.py accepts, so that clients and API fuzzers
-(schemathesis) know the exact types and ranges; loadtest/fuzz_http.py checks that the server
-keeps to it (no 5xx, every error in the documented shape).
+Its schemas are generated from the pydantic models of the bodies: the request models make the
+checks (deployments/openai_models.py), so the description cannot drift from them, and the
+response models (deployments/openai_protocol.py) are tested against what the server sends. What
+the replicas told the ingress narrows it: `model` may only be the served model's name, token ids
+stay in the vocabulary, max_tokens within the context. Clients and API fuzzers (schemathesis,
+through loadtest/fuzz_http.py) read it for the exact types and ranges.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+from collections.abc import Iterator
 from typing import Any
 
-from contracts.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from deployments.openai_protocol import CHAT_ROLES, MAX_PROMPTS_PER_REQUEST
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
-_STOP = {"oneOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS},
-                   {"type": "array", "maxItems": MAX_STOP_STRINGS,
-                    "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}},
-                   {"type": "null"}]}
-_SAMPLING: dict[str, Any] = {
-    "model": {"type": ["string", "null"], "description": "Must be the served model's name if given."},
-    "max_tokens": {"type": ["integer", "null"], "minimum": 1},
-    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 100},
-    "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"type": ["integer", "null"], "minimum": -1},
-    "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
-    "stop": _STOP,
-    "stop_token_ids": {"type": ["array", "null"], "maxItems": MAX_STOP_TOKEN_IDS,
-                       "items": {"type": "integer", "minimum": 0}},
-    "ignore_eos": {"type": ["boolean", "null"]},
-    "n": {"type": ["integer", "null"], "enum": [1, None]},
-    "stream": {"type": ["boolean", "null"]},
-    "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
-    "priority": {"type": ["string", "null"], "enum": ["interactive", "batch", None]},
-    "user": {"type": ["string", "null"]},
+from deployments import openai_protocol as oai
+from deployments.openai_models import ChatCompletionRequest, CompletionRequest
+
+_MODELS: tuple[type[BaseModel], ...] = (
+    CompletionRequest, ChatCompletionRequest, oai.Completion, oai.ChatCompletion, oai.CompletionChunk,
+    oai.ChatCompletionChunk, oai.ModelList, oai.ErrorResponse, oai.Health)
+_ERRORS = {
+    400: "A malformed body or a bad parameter (`param` names it).",
+    401: "Missing or wrong API key (when the server has one).",
+    404: "Unknown model (code model_not_found).",
+    408: "The request body did not arrive in time.",
+    413: "The request body is larger than 16 MiB.",
+    429: "Overloaded: retry after Retry-After seconds.",
+    500: "The model or the server failed on this request.",
+    503: "No replica can serve it now: retry after Retry-After seconds.",
 }
-_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type", "param", "code"],
-    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
-_ERRORS = {str(status): {"description": text, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-           for status, text in ((400, "A malformed body or a bad parameter (`param` names it)."),
-                                (401, "Missing or wrong API key."), (404, "Unknown model or path."),
-                                (408, "The request body did not arrive in time."),
-                                (413, "The request body is larger than 16 MiB."),
-                                (429, "Overloaded: retry after Retry-After seconds."),
-                                (500, "The model failed on this request (code generation_failed)."),
-                                (503, "No replica can serve it now: retry after Retry-After seconds."))}
-_GENERATION_OK = {"description": "The completion, or with stream: true an SSE stream of chunks ending with "
-                                 "`data: [DONE]`.",
-                  "content": {"application/json": {"schema": {"type": "object"}},
-                              # Events are JSON objects, then the literal [DONE]: no one schema.
-                              "text/event-stream": {"schema": {}}}}
+# Optional: the server asks for an API key only when it was given one.
+_BEARER: list[dict[str, list[str]]] = [{"bearer": []}, {}]
 
 
 def openapi_spec(served_model_name: str | None = None, vocab_size: int | None = None,
                  max_model_len: int | None = None) -> dict[str, Any]:
-    """The description. What the replicas told the ingress narrows it: `model` may only be the
-    served model's name, token ids stay in the vocabulary, max_tokens within the context."""
-    sampling = dict(_SAMPLING)
-    if served_model_name is not None:
-        sampling["model"] = {"type": ["string", "null"], "enum": [served_model_name, None]}
-    token_id: dict[str, Any] = {"type": "integer", "minimum": 0}
-    if vocab_size is not None:
-        token_id["maximum"] = vocab_size - 1
-    if max_model_len is not None:
-        sampling["max_tokens"] = {"type": ["integer", "null"], "minimum": 1, "maximum": max_model_len - 1}
-    token_ids = {"type": "array", "items": token_id, "minItems": 1}
-    completion = {"type": "object", "required": ["prompt"], "properties": {
-        "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                             {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
-                              "maxItems": MAX_PROMPTS_PER_REQUEST},
-                             token_ids,
-                             {"type": "array", "items": token_ids, "minItems": 1, "maxItems": MAX_PROMPTS_PER_REQUEST}]},
-        **sampling}}
-    text_parts = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
-        "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}
-    # Only an assistant turn may come without content (null or absent).
-    message = {"oneOf": [
-        {"type": "object", "required": ["role", "content"], "properties": {
-            "role": {"type": "string", "enum": [r for r in CHAT_ROLES if r != "assistant"]},
-            "content": {"oneOf": [{"type": "string"}, text_parts]}, "name": {"type": "string"}}},
-        {"type": "object", "required": ["role"], "properties": {
-            "role": {"type": "string", "enum": ["assistant"]},
-            "content": {"oneOf": [{"type": "string"}, {"type": "null"}, text_parts]}, "name": {"type": "string"}}}]}
-    chat = {"type": "object", "required": ["messages"], "properties": {
-        "messages": {"type": "array", "items": message, "minItems": 1},
-        "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
-        "add_generation_prompt": {"type": "boolean"},
-        **sampling}}
-
-    def generation(schema: str, summary: str) -> dict[str, Any]:
-        return {"post": {"summary": summary, "security": [{"bearer": []}, {}],
-                         "requestBody": {"required": True, "content": {"application/json": {
-                             "schema": {"$ref": f"#/components/schemas/{schema}"}}}},
-                         "responses": {"200": _GENERATION_OK, **_ERRORS}}}
-
-    def simple(summary: str, content_type: str = "application/json") -> dict[str, Any]:
-        return {"get": {"summary": summary, "responses": {
-            "200": {"description": "OK", "content": {content_type: {"schema": {"type": ["object", "string"]}}}},
-            **{k: v for k, v in _ERRORS.items() if k in ("401", "503")}}}}
-
+    """The description, narrowed to the served model when its name, vocabulary size and context
+    length are known."""
+    schemas = copy.deepcopy(_generated_schemas())
+    _narrow(schemas, served_model_name, vocab_size, max_model_len)
     return {
         "openapi": "3.1.0",
         "info": {"title": "iterserve", "version": "0.1.0",
                  "description": "OpenAI-compatible completions and chat completions (README: HTTP API)."},
         "paths": {
-            "/v1/completions": generation("CompletionRequest", "Complete one or many prompts."),
-            "/v1/chat/completions": generation("ChatCompletionRequest", "Answer a conversation."),
-            "/v1/models": simple("The served model."),
-            "/health": simple("200 when every replica is ready, 503 otherwise (no API key)."),
-            "/metrics": simple("Prometheus metrics of every replica.", "text/plain"),
+            "/v1/completions": _generation("createCompletion", "Complete one or many prompts.",
+                                           "CompletionRequest", "Completion", "CompletionChunk"),
+            "/v1/chat/completions": _generation("createChatCompletion", "Answer a conversation.",
+                                                "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"),
+            "/v1/models": _get("listModels", "The served model.", _json("ModelList"), _BEARER, 401, 500, 503),
+            "/metrics": _get("metrics", "Prometheus metrics of every replica.",
+                             {"text/plain": {"schema": {"type": "string"}}}, _BEARER, 401, 500, 503),
+            "/health": {"get": {
+                "operationId": "health", "summary": "Whether every replica has its model loaded (no API key).",
+                "responses": {"200": {"description": "Ready.", "content": _json("Health")},
+                              "503": {"description": "Not ready.", "content": _json("Health")}}}},
+            "/openapi.json": _get("openapi", "This description (no API key).",
+                                  {"application/json": {"schema": {"type": "object"}}}, []),
         },
-        "components": {"schemas": {"CompletionRequest": completion, "ChatCompletionRequest": chat, "Error": _ERROR},
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {"schemas": schemas, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }
+
+
+@functools.cache
+def _generated_schemas() -> dict[str, Any]:
+    """The models' schemas, generated once: it takes 25 ms, and anyone may ask (no API key)."""
+    _, generated = models_json_schema([(model, "validation") for model in _MODELS], ref_template=_ref("{model}"))
+    return generated["$defs"]
+
+
+def _narrow(schemas: dict[str, Any], served_model_name: str | None, vocab_size: int | None,
+            max_model_len: int | None) -> None:
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        properties = schemas[request]["properties"]
+        if served_model_name is not None:
+            properties["model"] = {"enum": [served_model_name, None], "default": None,
+                                   "description": "The served model's name, if given."}
+        if max_model_len is not None:  # at least one prompt token
+            for name in ("max_tokens", "max_completion_tokens"):
+                for schema in _integers(properties.get(name, {})):
+                    schema["maximum"] = max_model_len - 1
+    # The parser takes any int; the service refuses one outside the vocabulary (invalid_token_id).
+    for token_id in _integers(schemas["CompletionRequest"]["properties"]["prompt"]):
+        token_id["minimum"] = 0
+        if vocab_size is not None:
+            token_id["maximum"] = vocab_size - 1
+
+
+def _integers(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every integer schema inside `schema`."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            yield schema
+        for value in schema.values():
+            yield from _integers(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            yield from _integers(value)
+
+
+def _generation(operation_id: str, summary: str, request: str, response: str, chunk: str) -> dict[str, Any]:
+    ok = {"description": f"The {response}; with stream: true an SSE stream instead.",
+          "content": {**_json(response), "text/event-stream": {"schema": {
+              "type": "string", "description": f"`data: <{chunk}>` events (an ErrorResponse if the generation fails "
+                                               "after the 200), then `data: [DONE]`."}}}}
+    return {"post": {"operationId": operation_id, "summary": summary, "security": _BEARER,
+                     "requestBody": {"required": True, "content": _json(request)},
+                     "responses": {"200": ok, **_errors(*_ERRORS)}}}
+
+
+def _get(operation_id: str, summary: str, content: dict[str, Any], security: list[dict[str, list[str]]],
+         *statuses: int) -> dict[str, Any]:
+    return {"get": {"operationId": operation_id, "summary": summary, "security": security,
+                    "responses": {"200": {"description": "OK.", "content": content}, **_errors(*statuses)}}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {str(status): {"description": _ERRORS[status], "content": _json("ErrorResponse")} for status in statuses}
+
+
+def _json(schema: str) -> dict[str, Any]:
+    return {"application/json": {"schema": {"$ref": _ref(schema)}}}
+
+
+def _ref(schema: str) -> str:
+    return f"#/components/schemas/{schema}"

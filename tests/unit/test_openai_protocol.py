@@ -3,6 +3,7 @@ param and code, and what it gets back has OpenAI's shape."""
 
 import pytest
 
+from contracts.priority import Priority
 from contracts.sampling import SamplingParams
 from deployments import openai_protocol as oai
 from deployments.errors import APIError
@@ -33,7 +34,8 @@ def test_completion_prompt_forms(prompt, prompts):
     assert parsed.kind == "completion" and parsed.prompts == prompts
     assert parsed.max_tokens == 16  # the OpenAI completions default
     assert parsed.model == SERVED and parsed.request_id.startswith("cmpl-")
-    assert (parsed.stream, parsed.include_usage, parsed.priority, parsed.user) == (False, False, "interactive", None)
+    assert (parsed.stream, parsed.include_usage, parsed.priority, parsed.user) == (
+        False, False, Priority.INTERACTIVE, None)
     assert parsed.sampling == {}
 
 
@@ -71,10 +73,10 @@ def test_completion_max_tokens_and_add_generation_prompt():
 @pytest.mark.parametrize("fields, attr, value", [
     ({"model": SERVED}, "model", SERVED),
     ({"model": None}, "model", SERVED),
-    ({"priority": "batch"}, "priority", "batch"),
-    ({"priority": "BATCH"}, "priority", "batch"),
-    ({"priority": 1}, "priority", "batch"),
-    ({"priority": "interactive"}, "priority", "interactive"),
+    ({"priority": "batch"}, "priority", Priority.BATCH),
+    ({"priority": "BATCH"}, "priority", Priority.BATCH),
+    ({"priority": 1}, "priority", Priority.BATCH),
+    ({"priority": "interactive"}, "priority", Priority.INTERACTIVE),
     ({"user": "alice"}, "user", "alice"),
     ({"stream": True}, "stream", True),
     ({"stream": None}, "stream", False),
