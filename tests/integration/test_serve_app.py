@@ -23,6 +23,11 @@ MODEL = "iterserve-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # Per replica: 16 waiting requests for interactive traffic, 2 for batch (batch is shed first).
 ADMISSION = {"max_waiting_requests": 16, "batch_shed_fraction": 0.125, "retry_after_s": 2.0}
+# The ingress sheds batch by predicted wait (tests/unit/test_admission.py, test_admitted_backend.py):
+# off here, so that the replicas' backstop above is what these tests see. With it on, a burst that
+# raised the recent TTFT past 0.5 s shed every batch request of the next test at the ingress
+# (CI, 2026-12-01: 24 of 24 refused, none reaching a replica).
+INGRESS_ADMISSION = {"batch_max_wait_s": 1e9}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +39,8 @@ def app(tiny_model_dir):
 
     base = start_local_serve(num_cpus=2)
     args = {"model": tiny_model_dir, "served_model_name": MODEL, "num_replicas": 2, "api_key": KEY,
-            "engine_args": {"num_threads": 1, "max_num_seqs": 32, "dtype": "float32"}, "admission": ADMISSION}
+            "engine_args": {"num_threads": 1, "max_num_seqs": 32, "dtype": "float32"}, "admission": ADMISSION,
+            "ingress_admission": INGRESS_ADMISSION}
     serve.run(build_app(args), name="iterserve", route_prefix="/")
     try:
         yield SimpleNamespace(base=base, serve=serve, build_app=build_app,
@@ -149,6 +155,10 @@ def test_batch_traffic_is_shed_with_429_under_overload(app, client):
     assert {r.status_code for r in responses} <= {200, 429}
     counted = metric_samples(client.get("/metrics").text, "iterserve_requests_shed_total")
     assert sum(v for labels, v in counted.items() if 'priority="batch"' in labels) >= len(shed)
+    # Every admitted request left its replica's queue: no ticket outlives its request.
+    llm = app.serve.get_deployment_handle("LLMServer", "iterserve")
+    loads = llm.broadcast("record_autoscaling_stats").results(timeout_s=10)
+    assert [load["num_waiting_first_token"] for load in loads] == [0, 0], loads
 
 
 def test_client_disconnect_aborts_and_frees_blocks(app, client):
