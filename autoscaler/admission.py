@@ -288,10 +288,14 @@ class AdmissionController:
         the recent window (absent when no first token came in it)."""
         now = self._clock()
         stats = {"num_waiting_first_token": float(len(self._waiting)), "oldest_wait_s": self._oldest_wait_s(now)}
-        p90 = self._recent.ttft_percentile_s(now, 90)
+        p90 = self._recent.ttft_percentile_s(now, 90)  # sorts the window: for the autoscaler's poll only
         if p90 is not None:
             stats["ttft_p90_s"] = p90
         return stats
+
+    def oldest_wait_s(self) -> float:
+        """Age of the oldest request still waiting for its first token; 0 with none waiting."""
+        return self._oldest_wait_s(self._clock())
 
     def num_shed(self, priority: Priority) -> int:
         return self._num_shed[priority]
@@ -312,9 +316,10 @@ class AdmissionController:
         if priority is Priority.BATCH and wait_s > p.batch_max_wait_s:
             return (f"batch request shed: predicted wait {wait_s:.2f} s > batch_max_wait_s="
                     f"{p.batch_max_wait_s:g} s ({n} waiting; {terms})")
-        if priority is Priority.BATCH and n >= p.limit(priority):
+        batch_limit = p.limit(Priority.BATCH)
+        if priority is Priority.BATCH and n >= batch_limit:
             return (f"batch request shed: {n} requests waiting for a first token, at the batch limit "
-                    f"{p.limit(priority)} (batch_shed_fraction={p.batch_shed_fraction:g} of "
+                    f"{batch_limit} (batch_shed_fraction={p.batch_shed_fraction:g} of "
                     f"max_waiting_requests={p.max_waiting_requests})")
         return None
 

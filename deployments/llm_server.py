@@ -322,5 +322,5 @@ def _families(server: LLMServer, stats: EngineStats) -> list[Metric]:
                                    labels=["part"]), server.load_times_s),
         GaugeMetricFamily("iterserve_oldest_waiting_seconds",
                           "Age of the oldest request still waiting for its first token.",
-                          value=server.admission.queue_stats()["oldest_wait_s"]),
+                          value=server.admission.oldest_wait_s()),
     ]
