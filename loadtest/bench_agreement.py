@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
-    from model_worker.runner.loader import load_tokenizer
+    from model_worker.models import load_tokenizer
 
     tokenizer = load_tokenizer(path)
     prompts = [render(tokenizer, conversation) for conversation in CHAT_PROMPTS]

