@@ -1,7 +1,9 @@
 """LLMEngine: a step is schedule -> execute -> update.
 
-The engine owns a scheduler (pure Python), a model runner (torch) and the detokenizers. Only the
-scheduler changes request state; the engine turns sampled tokens into text and outputs.
+The engine owns a scheduler (pure Python) and a model runner (torch). Only the scheduler changes
+request state; the engine turns sampled tokens into outputs. Text is an OutputProcessor's job:
+used alone, the engine runs one after each step (`detokenize=True`); as the core of an
+AsyncLLMEngine it emits token ids only and the stream side makes the text (`detokenize=False`).
 
 A step that raises fails only the requests that caused it (model_worker/fault_isolation.py): they
 finish with finish_reason "error" and an `error` message, their half-written KV blocks leave the
@@ -17,17 +19,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from contracts.checks import is_int
 from contracts.engine_stats import EngineStats
 from contracts.sampling import SamplingParams
 from contracts.serving import GenerationChunk, RequestTimings
 from model_worker.batch import ModelRunner, ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig, SchedulerConfig
-from model_worker.detokenizer import IncrementalDetokenizer
 from model_worker.fault_isolation import IsolatedStep, execute_isolating
-from model_worker.hashing import ROOT_HASH, hash_block_tokens
+from model_worker.output_processor import OutputProcessor
 from model_worker.request import Priority, Request, RequestStatus
-from model_worker.scheduler import RequestRejected, make_scheduler
+from model_worker.request_checks import RequestChecker, RequestRejected
+from model_worker.scheduler import make_scheduler
 from model_worker.stats import RollingStats
 from model_worker.step_padding import PaddedRunner
 
@@ -44,7 +45,7 @@ class EngineBroken(RuntimeError):
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, model_runner: ModelRunner | None = None,
                  tokenizer: Any = None, eos_token_ids: Sequence[int] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, detokenize: bool = True) -> None:
         config = config or EngineConfig()
         if model_runner is None:
             config, model_runner = _build_runner(config)
@@ -68,7 +69,11 @@ class LLMEngine:
             batching=config.batching,
         )
         self.scheduler = make_scheduler(scheduler_config, eos_token_ids, clock)
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.checks = RequestChecker(tokenizer, self.vocab_size, scheduler_config)
+        # Text and stop strings, after each step; off when a consumer of the token ids makes the
+        # text itself (AsyncLLMEngine), so that the step loop never decodes.
+        self.detokenize = detokenize
+        self.outputs = OutputProcessor(tokenizer)
         self._rolling = RollingStats(config.stats_window)
         self.num_steps = 0
         self.step_time_s = 0.0
@@ -84,22 +89,6 @@ class LLMEngine:
         return self.scheduler.config.max_model_len
 
     # ---- requests -----------------------------------------------------------------------------
-
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a prompt: a string is encoded, a list of ids is checked."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejected("this engine has no tokenizer: pass token ids", param="prompt")
-            return list(self.tokenizer.encode(prompt))
-        if not isinstance(prompt, (list, tuple)) or not all(
-                is_int(t) for t in prompt):
-            raise RequestRejected("prompt must be a string or a list of token ids", param="prompt")
-        limit = self.vocab_size
-        bad = [t for t in prompt if t < 0 or (limit is not None and t >= limit)]
-        if bad:
-            raise RequestRejected(f"token id {bad[0]} is outside the vocabulary [0, {limit})",
-                                  code="invalid_token_id", param="prompt")
-        return list(prompt)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     priority: Priority | str | int = Priority.INTERACTIVE, arrival_time: float | None = None,
@@ -120,9 +109,9 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestRejected("params must be a SamplingParams", param="params")
-        resumed = self.check_resumed(resumed_token_ids, params)
-        prompt_token_ids = self.tokenize(prompt)
-        hashes = self.check_block_hashes(block_hashes, prompt_token_ids, cache_key)
+        resumed = self.checks.check_resumed(resumed_token_ids, params)
+        prompt_token_ids = self.checks.tokenize(prompt)
+        hashes = self.checks.check_block_hashes(block_hashes, prompt_token_ids, cache_key)
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -134,56 +123,30 @@ class LLMEngine:
             block_hashes=hashes,
         )
         self.scheduler.add_request(request)
-        if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
-            for token in resumed:  # the same state as the engine that sent their text had
-                detokenizer.add_token(token)
-            self._detokenizers[request_id] = detokenizer
+        if self.detokenize:
+            self.outputs.add(request_id, request.prompt_token_ids, params.stop, resumed)
         self.num_prompt_tokens_total += request.num_prompt_tokens
         return request
 
-    def check_resumed(self, resumed_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        """Resumed output tokens, checked: token ids, and fewer than max_tokens."""
-        if not resumed_token_ids:
-            return []
-        resumed = self.tokenize(list(resumed_token_ids)) if isinstance(resumed_token_ids, (list, tuple)) else None
-        if resumed is None:
-            raise RequestRejected("resumed_token_ids must be a list of token ids", param="resumed_token_ids")
-        if len(resumed) >= params.max_tokens:
-            raise RequestRejected(f"{len(resumed)} resumed tokens leave nothing to generate within max_tokens "
-                                  f"{params.max_tokens}", param="resumed_token_ids")
-        return resumed
-
-    def check_block_hashes(self, block_hashes: Sequence[int] | None, prompt_token_ids: Sequence[int],
-                           cache_key: str | None) -> list[int]:
-        """Block hashes a caller sent, checked before the cache trusts them: one int per full
-        block of the prompt, and the first equal to this engine's own hash of the first block (a
-        caller hashing with another block size or cache key differs there). [] when none came or
-        prefix caching is off: the engine hashes the prompt itself."""
-        config = self.scheduler.config
-        if not block_hashes or not config.enable_prefix_caching:
-            return []
-        if not isinstance(block_hashes, (list, tuple)) or any(type(h) is not int for h in block_hashes):
-            raise RequestRejected("block_hashes must be a list of ints", param="block_hashes")
-        size = config.block_size
-        num_full = len(prompt_token_ids) // size
-        if len(block_hashes) != num_full:
-            raise RequestRejected(f"{len(block_hashes)} block hashes for a prompt of {num_full} full blocks of {size} "
-                                  "tokens: the caller hashed with another block size", param="block_hashes",
-                                  code="invalid_block_hashes")
-        if block_hashes[0] != hash_block_tokens(ROOT_HASH, prompt_token_ids[:size], cache_key):
-            raise RequestRejected("block_hashes do not match this engine's hash of the prompt's first block: the "
-                                  "caller hashed with another block size or cache_key", param="block_hashes",
-                                  code="invalid_block_hashes")
-        return list(block_hashes)
-
     def abort(self, request_id: str) -> bool:
         """Stop a request in any state; its blocks are free when this returns."""
-        self._detokenizers.pop(request_id, None)
+        self.outputs.remove(request_id)
         aborted = self.scheduler.abort(request_id)
         if aborted:
             self.num_finished["abort"] += 1
         return aborted
+
+    def stop(self, request_id: str, stop_reason: str) -> None:
+        """Finish a live request on a stop string its consumer found in the text; the next step
+        reports it finished ("stop"). A request that already finished is left as it is."""
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop_reason)
+
+    def fail(self, request_id: str, message: str) -> None:
+        """End a live request with an error found outside the step (its consumer could not
+        detokenize it); its blocks are freed at once and it is not reported."""
+        request = self.scheduler.requests.get(request_id)
+        if request is not None:
+            self._fail(request, message)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -298,7 +261,7 @@ class LLMEngine:
 
     def _fail(self, request: Request, message: str) -> GenerationChunk:
         """End a live request with an error output; its blocks are freed at once."""
-        self._detokenizers.pop(request.request_id, None)
+        self.outputs.remove(request.request_id)
         self.scheduler.abort(request.request_id)
         self.num_finished["error"] += 1
         return GenerationChunk(request_id=request.request_id, finished=True, finish_reason="error", error=message,
@@ -313,18 +276,15 @@ class LLMEngine:
             return self._fail(request, f"detokenizing this request failed: {type(exc).__name__}: {exc}")
 
     def _progress_output(self, request: Request) -> GenerationChunk:
-        token = request.output_token_ids[-1]
-        text = ""
-        detokenizer = self._detokenizers.get(request.request_id)
-        if detokenizer is not None:
-            text = detokenizer.add_token(token)
-            if detokenizer.stopped_on is not None and not request.status.is_finished:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED,
-                                              stop_reason=detokenizer.stopped_on)
-        return GenerationChunk(request_id=request.request_id, token_ids=[token], text=text,
-                             num_prompt_tokens=request.num_prompt_tokens,
-                             num_output_tokens=request.num_output_tokens,
-                             num_cached_tokens=max(request.num_cached_tokens, 0))
+        out = GenerationChunk(request_id=request.request_id, token_ids=[request.output_token_ids[-1]],
+                              num_prompt_tokens=request.num_prompt_tokens,
+                              num_output_tokens=request.num_output_tokens,
+                              num_cached_tokens=max(request.num_cached_tokens, 0))
+        if self.detokenize:
+            stop = self.outputs.add_tokens(out)
+            if stop is not None and not request.status.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+        return out
 
     def _finish_output(self, request: Request, outputs: dict[str, GenerationChunk]) -> None:
         out = outputs.get(request.request_id)
@@ -333,9 +293,7 @@ class LLMEngine:
                 request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens,
                 num_output_tokens=request.num_output_tokens,
                 num_cached_tokens=max(request.num_cached_tokens, 0))
-        detokenizer = self._detokenizers.pop(request.request_id, None)
-        if detokenizer is not None:
-            out.text += detokenizer.flush()
+        self.outputs.finish(out)
         out.finished = True
         out.finish_reason = request.status.finish_reason
         out.stop_reason = request.stop_reason
@@ -383,5 +341,9 @@ def _build_runner(config: EngineConfig) -> tuple[EngineConfig, ModelRunner]:
     from model_worker.models import resolve_model
 
     config = dataclasses.replace(config, model=resolve_model(config.model))
+    started_s = time.perf_counter()
     from model_worker.runner.model_runner import TorchModelRunner
-    return config, TorchModelRunner(config)
+    imports_s = time.perf_counter() - started_s  # torch and transformers: a new process's fixed cost
+    runner = TorchModelRunner(config)
+    runner.load_times_s = {"imports": imports_s, **runner.load_times_s}
+    return config, runner
