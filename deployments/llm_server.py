@@ -56,13 +56,9 @@ class LLMServer:
         # Seconds from here until the engine could serve, by part (weights, tokenizer, kv_cache)
         # and in total: what a new replica costs before it takes traffic.
         started_s = time.perf_counter()
-        imports_s: dict[str, float] = {}
         if engine is None:
-            _import_model_code()
-            imports_s["imports"] = time.perf_counter() - started_s
             engine = AsyncLLMEngine(_engine_config(model, engine_args))
-        self.load_times_s = {**imports_s, **engine.load_times_s,
-                             "total": time.perf_counter() - started_s}
+        self.load_times_s = {**engine.load_times_s, "total": time.perf_counter() - started_s}
         self.engine = engine
         # The `admission` app arg: max_waiting_requests, batch_shed_fraction, retry_after_s.
         self.admission = AdmissionController(replica_policy(**(admission or {}), ttft_window_s=ttft_window_s), clock)
@@ -204,7 +200,8 @@ class LLMServer:
 
     async def ready(self) -> dict[str, Any]:
         return {"replica": self.replica_id, "model_loaded": True, "engine_running": self.engine.is_running,
-                "load_times_s": dict(self.load_times_s), "pid": os.getpid()}
+                "load_times_s": dict(self.load_times_s), "pid": os.getpid(),
+                "engine_pid": self.engine.core_pid}
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """The RoutingReport for the request routers, polled by the Serve controller: load, free
@@ -269,13 +266,6 @@ async def _outputs(stream: RequestStream, tick_s: float) -> AsyncIterator[Genera
         raise
     except Exception as exc:
         raise internal(f"generation failed: {type(exc).__name__}: {exc}") from None
-
-
-def _import_model_code() -> None:
-    """torch and transformers, imported here so that a replica's load times tell the imports (a
-    fixed cost of a new process) from reading the weights."""
-    import model_worker.runner.model_runner  # noqa: F401  (torch)
-    from transformers import AutoConfig, AutoTokenizer, LlamaConfig  # noqa: F401  (the family we run)
 
 
 def _engine_config(model: str | None, engine_args: dict[str, Any] | None) -> EngineConfig:

@@ -1,19 +1,27 @@
-"""AsyncLLMEngine: the step loop in its own thread, streams on the caller's event loop.
+"""AsyncLLMEngine: an engine core stepping on its own, streams on the caller's event loop.
 
-The event loop never waits on torch: requests, aborts and stats queries are commands that the
-engine thread applies between steps, and each step's outputs reach the loop in one
-call_soon_threadsafe. Validation that can fail (tokenizing, length checks) runs in the caller
-before anything is queued, so a bad request raises at once and nothing is left behind.
+The engine core (model_worker/engine_core.py) is the step loop alone, fed by messages. For
+serving it runs in a process of its own (`EngineConfig.engine_process`, the default when the
+engine is built from a config); an engine passed in (tests, fakes) runs in a thread. Either way
+this side does everything that is not the step, on the event loop: validation that can fail
+(tokenizing, length checks, block hashes) before anything is sent, so that a bad request raises at
+once and nothing is left behind; the text of each output and its stop strings (OutputProcessor);
+the streams. A stop string found here finishes the request in the core, and the tokens the core
+made meanwhile are dropped, so what a client sees is what the engine alone would have given.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
+from multiprocessing import Pipe
 from typing import Any
 
 from contracts.engine_stats import EngineStats
@@ -22,11 +30,14 @@ from contracts.sampling import SamplingParams
 from contracts.serving import GenerationChunk
 from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.engine import LLMEngine
-from model_worker.scheduler import RequestRejected
+from model_worker.engine_core import EngineCore, EngineInfo, ProgressTuple
+from model_worker.models import load_tokenizer, resolve_model
+from model_worker.output_processor import OutputProcessor
+from model_worker.request_checks import RequestChecker, RequestRejected
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an error; every request after that fails with this."""
+    """The engine core stopped on an error; every request after that fails with this."""
 
 
 class RequestFailed(RuntimeError):
@@ -41,15 +52,22 @@ class RequestStream:
     """The outputs of one queued request, in order. Closing it before the finished output aborts
     the request in the engine (at the next step boundary) and frees its KV blocks."""
 
-    __slots__ = ("request_id", "loop", "queue", "finished", "_owner", "_error")
+    __slots__ = ("request_id", "loop", "queue", "finished", "num_prompt_tokens", "_owner", "_error",
+                 "_num_output_tokens", "_stop")
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: "AsyncLLMEngine") -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: "AsyncLLMEngine",
+                 num_prompt_tokens: int) -> None:
         self.request_id = request_id
         self.loop = loop
         self.queue: asyncio.Queue[GenerationChunk | BaseException | object] = asyncio.Queue()
         self.finished = False
+        self.num_prompt_tokens = num_prompt_tokens
         self._owner = owner
         self._error: BaseException | None = None
+        # Output tokens the consumer has been given (resumed ones included).
+        self._num_output_tokens = 0
+        # The stop string that ended the text: the core has been told, its later tokens are dropped.
+        self._stop: str | None = None
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -122,60 +140,219 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._owner._forget(self.request_id)
-            self._owner._submit(lambda: self._owner.engine.abort(self.request_id))
+            self._owner._send(("abort", self.request_id))
+
+    # ---- from the engine core (on the loop) ----------------------------------------------------
+
+    def _from_core(self, item: ProgressTuple | GenerationChunk, outputs: OutputProcessor) -> None:
+        """Turn the core's output into the consumer's: text, stop strings, errors."""
+        if self.finished:
+            return
+        if isinstance(item, tuple):
+            request_id, token_ids, num_output_tokens, num_cached_tokens = item
+            chunk = GenerationChunk(request_id, token_ids=token_ids, num_prompt_tokens=self.num_prompt_tokens,
+                                    num_output_tokens=num_output_tokens, num_cached_tokens=num_cached_tokens)
+        else:
+            chunk = item
+        if chunk.error is not None:
+            outputs.remove(self.request_id)
+            self.queue.put_nowait(RequestFailed(chunk.error))
+            return
+        if self._stop is not None:
+            if chunk.finished:
+                self.queue.put_nowait(self._ended_by_stop(chunk, outputs))
+            return  # a token after the stop string: never the consumer's
+        try:
+            stop = outputs.add_tokens(chunk)
+            if chunk.finished:
+                outputs.finish(chunk)
+        except Exception as exc:  # this request's tokens broke the tokenizer: it alone fails
+            message = f"detokenizing this request failed: {type(exc).__name__}: {exc}"
+            outputs.remove(self.request_id)
+            self._owner._send(("fail", self.request_id, message))
+            self.queue.put_nowait(RequestFailed(message))
+            return
+        self._num_output_tokens = chunk.num_output_tokens
+        if stop is not None and not chunk.finished:
+            self._stop = stop
+            self._owner._send(("stop", self.request_id, stop))
+        self.queue.put_nowait(chunk)
+
+    def _ended_by_stop(self, chunk: GenerationChunk, outputs: OutputProcessor) -> GenerationChunk:
+        """The core's finished output after a stop string: without the tokens made after it, in
+        its counts and its token times."""
+        outputs.remove(self.request_id)
+        num_extra = chunk.num_output_tokens - self._num_output_tokens
+        timings = chunk.timings
+        if num_extra > 0 and timings is not None and len(timings.token_times_s) >= num_extra:
+            del timings.token_times_s[len(timings.token_times_s) - num_extra:]
+            if timings.token_times_s:
+                timings.finished_s = timings.token_times_s[-1]
+        return GenerationChunk(self.request_id, finished=True, finish_reason="stop", stop_reason=self._stop,
+                               num_prompt_tokens=chunk.num_prompt_tokens, num_output_tokens=self._num_output_tokens,
+                               num_cached_tokens=chunk.num_cached_tokens, timings=timings)
 
 
-# An idle engine thread still wakes this often, so that `seconds_since_alive` tells an idle engine
-# from a stuck one.
-IDLE_TICK_S = 0.5
+class ThreadCore:
+    """The engine core in a thread of this process (an engine passed in: tests, fakes)."""
+
+    def __init__(self, engine: LLMEngine, on_message: Callable[[tuple], None], clock: Callable[[], float]) -> None:
+        self.core = EngineCore(engine, on_message, clock)
+        self.send = self.core.submit
+        self._thread = threading.Thread(target=self.core.run, name="iterserve-engine", daemon=True)
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout_s: float) -> None:
+        self.send(("shutdown",))
+        self._thread.join(timeout_s)
+
+
+_CORE_MAIN = "import sys; from model_worker.engine_core import main; sys.exit(main(sys.argv))"
+
+
+class ProcessCore:
+    """The engine core in a process of its own (model_worker.engine_core.main), over a
+    socket pair: pickled tuples, one message per step. The constructor returns once the engine is
+    built (its EngineInfo in `info`) and raises if it could not be. A reader thread hands every
+    message to on_message; the core's end of the pipe closing (it exited, or was killed) is a
+    ("dead", why) message. The core exits when this process goes away."""
+
+    def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None]) -> None:
+        self._conn, child_conn = Pipe()
+        env = dict(os.environ)
+        # The core imports what this process imports, wherever Ray put it (a working_dir).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", _CORE_MAIN, str(child_conn.fileno()), str(os.getpid())],
+            pass_fds=(child_conn.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        child_conn.close()
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self.send(config)
+        # Loaded here while the core loads the model (the core converts an embedded model once,
+        # under the model cache's lock, and this waits for it there).
+        try:
+            self.tokenizer = load_tokenizer(config.tokenizer or resolve_model(config.model))
+        except BaseException:
+            self._process.kill()
+            raise
+        self.info: EngineInfo = self._wait_ready()
+        self._on_message = on_message
+        self._reader = threading.Thread(target=self._read, name="iterserve-core-outputs", daemon=True)
+        self._reader.start()
+
+    def _wait_ready(self) -> EngineInfo:
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            message = ("failed", f"the engine process exited with code {self._process.wait()} while loading")
+        if message[0] != "ready":
+            self._process.wait(10)
+            raise RuntimeError(f"the engine could not be built: {message[1]}")
+        return message[1]
+
+    def send(self, message: Any) -> None:
+        """Never raises: a core that is gone is reported by the reader."""
+        with self._send_lock:
+            if self._closed:
+                return
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):
+                pass
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                code = self._process.wait()
+                self._on_message(("dead", f"the engine process exited with code {code}"))
+                return
+            self._on_message(message)
+
+    def is_alive(self) -> bool:
+        return self._process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def shutdown(self, timeout_s: float) -> None:
+        self.send(("shutdown",))
+        try:
+            self._process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        with self._send_lock:
+            self._closed = True
+            self._conn.close()
 
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None,
                  liveness_clock: Callable[[], float] = time.monotonic, **engine_kwargs: Any) -> None:
-        self.engine = engine if engine is not None else LLMEngine(config, **engine_kwargs)
+        config = config or EngineConfig()
         self._liveness_clock = liveness_clock
-        # When the engine thread last began a loop iteration (a step, or an idle tick).
+        # When the core last began a step or an idle tick, on the liveness clock.
         self._alive_s = liveness_clock()
-        self._commands: deque[Callable[[], None]] = deque()
-        self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
         self._stopped = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="iterserve-engine", daemon=True)
-        self._thread.start()
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        # The engine, when it lives in this process (tests reach its scheduler and runner).
+        self.engine: LLMEngine | None = None
+        if engine is None and not engine_kwargs and config.engine_process:
+            self._core: ThreadCore | ProcessCore = ProcessCore(config, self._on_core_message)
+            self.info = self._core.info
+            tokenizer = self._core.tokenizer
+        else:
+            engine = engine if engine is not None else LLMEngine(config, **engine_kwargs)
+            engine.detokenize = False  # the streams make the text (below), not the step loop
+            self.engine = engine
+            self.info = EngineInfo.of(engine)
+            tokenizer = engine.tokenizer
+            self._core = ThreadCore(engine, self._on_core_message, liveness_clock)
+        self.tokenizer = tokenizer
+        self.checks = RequestChecker(tokenizer, self.info.vocab_size, self.info.limits)
+        self.outputs = OutputProcessor(tokenizer)
 
     @property
     def limits(self) -> SchedulerConfig:
-        """What the engine runs under (max_num_seqs, max_model_len, KV blocks and block size):
-        fixed once it is built, so readable from any thread."""
-        return self.engine.scheduler.config
+        """What the engine runs under (max_num_seqs, max_model_len, KV blocks and block size)."""
+        return self.info.limits
 
     @property
     def vocab_size(self) -> int | None:
-        return self.engine.vocab_size
+        return self.info.vocab_size
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
-        return self.engine.scheduler.eos_token_ids
+        return self.info.eos_token_ids
 
     @property
     def load_times_s(self) -> dict[str, float]:
-        """Seconds each part of loading the model took (weights, tokenizer, KV cache)."""
-        return self.engine.runner.load_times_s
+        """Seconds each part of loading the model took (imports, weights, tokenizer, KV cache)."""
+        return self.info.load_times_s
+
+    @property
+    def core_pid(self) -> int | None:
+        """The engine core's process id; None when it steps in a thread of this process."""
+        return self._core.pid if isinstance(self._core, ProcessCore) else None
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self._error is None
+        return self._core.is_alive() and self._error is None and not self._stopped
 
     def seconds_since_alive(self) -> float:
-        """Seconds since the engine thread last started a step or an idle tick: at most a step's
-        time (or IDLE_TICK_S) while it works; it grows while a step hangs."""
+        """Seconds since the engine core last began a step or an idle tick that it reported:
+        about a step's time (or IDLE_TICK_S) while it works; it grows while a step hangs."""
         return max(0.0, self._liveness_clock() - self._alive_s)
 
     # ---- public API (event loop side) --------------------------------------------------------
@@ -194,27 +371,20 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is not running") from self._error
         request_id = request_id or uuid.uuid4().hex
         params = params if params is not None else SamplingParams()
-        token_ids = self.engine.tokenize(prompt)
-        resumed = self.engine.check_resumed(resumed_token_ids, params)
-        hashes = self.engine.check_block_hashes(block_hashes, token_ids, cache_key)
-        self.engine.scheduler.check_fits(len(token_ids), params.max_tokens)
+        token_ids = self.checks.tokenize(prompt)
+        resumed = self.checks.check_resumed(resumed_token_ids, params)
+        hashes = self.checks.check_block_hashes(block_hashes, token_ids, cache_key)
+        self.checks.check_fits(len(token_ids), params.max_tokens)
         priority = Priority.parse(priority)
-        stream = RequestStream(request_id, asyncio.get_running_loop(), self)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self, len(token_ids))
         with self._streams_lock:
             if request_id in self._streams:
                 raise RequestRejected(f"request id {request_id!r} is already in use",
                                       code="duplicate_request_id", param="request_id")
             self._streams[request_id] = stream
-        arrival_s = self.engine.clock()
-
-        def add() -> None:
-            try:
-                self.engine.add_request(request_id, token_ids, params, priority, arrival_time=arrival_s,
-                                        cache_key=cache_key, resumed_token_ids=resumed, block_hashes=hashes)
-            except Exception as exc:  # a rejection here is delivered to the stream, not the loop
-                self._deliver_error(request_id, exc)
-
-        self._submit(add)
+        self.outputs.add(request_id, token_ids, params.stop, resumed)
+        # Arrival is stamped here, on the clock every process of the machine shares.
+        self._send(("add", request_id, token_ids, params, int(priority), time.monotonic(), cache_key, resumed, hashes))
         return stream
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -233,89 +403,86 @@ class AsyncLLMEngine:
     def _forget(self, request_id: str) -> None:
         with self._streams_lock:
             self._streams.pop(request_id, None)
+        self.outputs.remove(request_id)
 
     async def abort(self, request_id: str) -> None:
-        self._submit(lambda: self.engine.abort(request_id))
+        self._send(("abort", request_id))
 
     async def stats(self, include_block_hashes: bool = False) -> EngineStats:
-        """A consistent snapshot, taken by the engine thread between two steps."""
-        return await self._call(lambda: self.engine.stats(include_block_hashes))
+        """A consistent snapshot, taken by the engine core between two steps."""
+        return await self._call("stats", include_block_hashes)
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, applied between steps; False (and nothing done) while a
         request is live."""
-        return await self._call(self.engine.reset_prefix_cache)
+        return await self._call("reset_prefix_cache")
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._stopped:
+            return
         self._stopped = True
-        self._wakeup.set()
-        self._thread.join(timeout_s)
+        self._core.shutdown(timeout_s)
+        self._fail_everything(EngineDeadError("the engine was shut down"))
 
-    async def _call(self, fn: Callable[[], Any]) -> Any:
+    async def _call(self, method: str, *args: Any) -> Any:
         if self._error is not None or self._stopped:
             raise EngineDeadError("the engine is not running") from self._error
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-
-        def run() -> None:
-            try:
-                result = fn()
-            except Exception as exc:
-                loop.call_soon_threadsafe(_set_exception, future, exc)
-            else:
-                loop.call_soon_threadsafe(_set_result, future, result)
-
-        self._submit(run)
-        return await future
-
-    def _submit(self, command: Callable[[], None]) -> None:
-        self._commands.append(command)
-        self._wakeup.set()
-
-    # ---- the engine thread ---------------------------------------------------------------------
-
-    def _run(self) -> None:
+        call_id = next(self._call_ids)
+        self._calls[call_id] = (loop, future)
+        self._send(("call", call_id, method, args))
         try:
-            while not self._stopped:
-                self._alive_s = self._liveness_clock()
-                self._apply_commands()
-                if not self.engine.has_unfinished():
-                    self._wakeup.wait(IDLE_TICK_S)
-                    self._wakeup.clear()
-                    continue
-                self._dispatch(self.engine.step())
-        except BaseException as exc:  # the loop must never die silently
-            self._error = exc
-            self._fail_open_streams(EngineDeadError(f"engine step failed: {exc!r}"))
+            return await future
         finally:
-            self._apply_commands()
-            self._fail_open_streams(EngineDeadError("the engine was shut down"))
+            self._calls.pop(call_id, None)
 
-    def _fail_open_streams(self, error: EngineDeadError) -> None:
-        """No stream may wait forever on an engine that stopped."""
+    def _send(self, message: tuple) -> None:
+        self._core.send(message)
+
+    # ---- from the engine core (its thread, or the reader of its process) -----------------------
+
+    def _on_core_message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            self._alive_s = message[1]
+            self._dispatch(message[2])
+        elif kind == "alive":
+            self._alive_s = message[1]
+        elif kind == "result":
+            _, call_id, ok, value = message
+            waiting = self._calls.get(call_id)
+            if waiting is not None:
+                _settle(waiting, value if ok else None, None if ok else value)
+        elif kind == "rejected":
+            self._deliver_error(message[1], message[2])
+        elif kind == "dead":
+            if not self._stopped:
+                self._error = EngineDeadError(message[1])
+                self._fail_everything(EngineDeadError(message[1]))
+
+    def _dispatch(self, outputs: list[ProgressTuple | GenerationChunk]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, ProgressTuple | GenerationChunk]]] = {}
+        with self._streams_lock:
+            for item in outputs:
+                stream = self._streams.get(item[0] if type(item) is tuple else item.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, items, self.outputs)
+            except RuntimeError:  # that loop is closed: its consumers are gone
+                for stream, _ in items:
+                    self._send(("abort", stream.request_id))
+
+    def _fail_everything(self, error: EngineDeadError) -> None:
+        """No stream and no call may wait forever on a core that stopped."""
         with self._streams_lock:
             request_ids = list(self._streams)
         for request_id in request_ids:
             self._deliver_error(request_id, error)
-
-    def _apply_commands(self) -> None:
-        while self._commands:
-            self._commands.popleft()()
-
-    def _dispatch(self, outputs: list[GenerationChunk]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, GenerationChunk]]] = {}
-        with self._streams_lock:
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream, out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that loop is closed: its consumers are gone
-                for _, out in items:
-                    if not out.finished:
-                        self.engine.abort(out.request_id)
+        for waiting in list(self._calls.values()):
+            _settle(waiting, None, error)
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         with self._streams_lock:
@@ -327,16 +494,24 @@ class AsyncLLMEngine:
                 pass
 
 
-def _put_all(items: list[tuple[RequestStream, GenerationChunk]]) -> None:
-    for stream, out in items:
-        stream.queue.put_nowait(RequestFailed(out.error) if out.error is not None else out)
+def _deliver_all(items: list[tuple[RequestStream, ProgressTuple | GenerationChunk]], outputs: OutputProcessor) -> None:
+    for stream, item in items:
+        stream._from_core(item, outputs)
 
 
-def _set_result(future: asyncio.Future, result: Any) -> None:
-    if not future.done():
+def _settle(waiting: tuple[asyncio.AbstractEventLoop, asyncio.Future], result: Any,
+            error: BaseException | None) -> None:
+    loop, future = waiting
+    try:
+        loop.call_soon_threadsafe(_set_future, future, result, error)
+    except RuntimeError:  # its loop is closed
+        pass
+
+
+def _set_future(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
         future.set_result(result)
-
-
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)

@@ -60,6 +60,11 @@ class EngineConfig:
     # how 4 replicas scale. The model still runs for real; 0 (the default) is off. The engine wraps
     # its runner in model_worker.step_padding.PaddedRunner for it; its step has no padding code.
     emulated_step_time_s: float = 0.0
+    # AsyncLLMEngine runs the step loop in a process of its own (model_worker/engine_core.py), so
+    # that the serving work of its process (the event loop, Ray's messages, detokenizing) never
+    # holds the GIL the step needs. False: a thread of the caller's process (debugging, and the
+    # benchmark that measures what the process is worth).
+    engine_process: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -82,6 +87,8 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if not isinstance(self.engine_process, bool):
+            raise ValueError(f"engine_process must be a bool, got {self.engine_process!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -113,6 +114,39 @@ def test_text_streams_and_stop_string_ends_request():
         _, text, last = await collect(engine, "say hi", greedy(40, stop=["<END>"]), request_id="s")
         assert text == "héllo wörld"
         assert last.finish_reason == "stop" and last.stop_reason == "<END>"
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_tokens_the_core_made_after_a_stop_string_never_reach_the_consumer():
+    """The stream side finds stop strings, so the core steps on until the stop reaches it. A loop
+    that falls behind (blocked here for 20 steps) must still see the text, tokens, counts and token
+    times end exactly at the stop, as the engine alone would have ended them."""
+    tokenizer = ByteTokenizer()
+    engine = make_async(vocab_size=259, tokenizer=tokenizer, step_delay_s=0.002)
+    runner = engine.engine.runner
+    for i, t in enumerate(tokenizer.encode("abc<END>" + "x" * 60)):
+        runner.forced[("late", i)] = t
+
+    async def main():
+        tokens, text, last = [], "", None
+        async for out in engine.generate("go", greedy(60, stop=["<END>"]), request_id="late"):
+            if not tokens:
+                time.sleep(0.1)  # the loop is busy: the core runs ahead of the consumer
+            tokens += out.token_ids
+            text += out.text
+            last = out
+        assert text == "abc"
+        assert tokens == tokenizer.encode("abc<END>")
+        assert (last.finish_reason, last.stop_reason) == ("stop", "<END>")
+        assert last.num_output_tokens == len(tokens) == len(last.timings.token_times_s)
+        assert last.timings.finished_s == last.timings.token_times_s[-1]
+        stats = await engine.stats()
+        assert stats.requests_finished["stop"] == 1 and stats.num_running == 0
+        assert stats.num_free_kv_blocks == stats.num_total_kv_blocks
 
     try:
         asyncio.run(main())
