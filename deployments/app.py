@@ -60,7 +60,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             # A report holds every cached block hash; give a busy replica time to send it.
             request_routing_stats_timeout_s=max(5.0, 5 * app_args.routing_stats_period_s),
         ),
-    ).bind(app_args.model, app_args.engine_args, app_args.served_model_name, app_args.admission)
+    ).bind(app_args.model, app_args.engine_args, app_args.served_model_name, app_args.admission,
+           app_args.stream_chunks_per_s)
     ingress = OpenAIIngress.options(
         num_replicas=app_args.ingress_replicas,
         ray_actor_options=app_args.ingress_actor_options,
@@ -76,10 +77,10 @@ class LLMServerDeployment(LLMServer):
     """LLMServer as a Serve replica: the replica id names it in metrics and routing stats."""
 
     def __init__(self, model: str | None, engine_args: dict[str, Any], served_model_name: str | None,
-                 admission: dict[str, Any]) -> None:
+                 admission: dict[str, Any], stream_chunks_per_s: float = 200.0) -> None:
         replica_id = serve.get_replica_context().replica_id.unique_id
         super().__init__(model, engine_args, served_model_name=served_model_name, admission=admission,
-                         replica_id=replica_id)
+                         replica_id=replica_id, stream_chunks_per_s=stream_chunks_per_s)
 
 
 @serve.deployment(name=INGRESS)

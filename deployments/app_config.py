@@ -68,6 +68,9 @@ class AppArgs:
     retry: dict[str, Any] = field(default_factory=dict)
     # A request body must arrive whole within this long, or the request gets 408.
     request_body_timeout_s: float = 30.0
+    # Chunks per second each LLMServer replica streams over all its requests; beyond it a request's
+    # tokens go out together (deployments/llm_server.py STREAM_CHUNKS_PER_S says why and how).
+    stream_chunks_per_s: float = 200.0
 
     def __post_init__(self) -> None:
         if self.autoscaling is not None and self.num_replicas is not None:
@@ -81,7 +84,7 @@ class AppArgs:
                                                                  or self.max_queued_requests >= 1):
             raise ValueError(f"max_queued_requests must be -1 or >= 1, got {self.max_queued_requests!r}")
         for name in ("routing_stats_period_s", "drain_timeout_s", "health_check_period_s", "health_check_timeout_s",
-                     "request_body_timeout_s"):
+                     "request_body_timeout_s", "stream_chunks_per_s"):
             value = getattr(self, name)
             if not (is_number(value) and value > 0):
                 raise ValueError(f"{name} must be > 0, got {value!r}")

@@ -44,6 +44,15 @@ ENGINE_STALL_S = 5.0
 # replaces the replica. Longer than ENGINE_STALL_S: the streams have been migrated by then, and
 # a replica is only killed for a hang, never for one slow step.
 ENGINE_HUNG_S = 30.0
+# Chunks per second one replica streams over all its requests. Each chunk costs every hop a Ray
+# message (measured on the 2-core machine: about 0.8 ms of CPU in the replica, 1.5 ms in the
+# ingress, 0.8 ms in the HTTP proxy and 0.5 ms in the client; docs/benchmarks.md), so a token per
+# chunk, with many streams and a fast step, spends more CPU on the path than the engine spends on
+# the step. Within the budget every token goes out as it comes; beyond it a request's tokens go out
+# together, at most every num_open_streams / budget seconds. A first token and a last chunk are
+# never held back, so TTFT and end-to-end latency (and TPOT) are the engine's; only the spacing of
+# the text in between coarsens under load (SGLang's --stream-interval, in time instead of tokens).
+STREAM_CHUNKS_PER_S = 200.0
 
 
 class LLMServer:
@@ -52,7 +61,9 @@ class LLMServer:
                  engine: AsyncLLMEngine | None = None, replica_id: str | None = None,
                  clock: Callable[[], float] = time.monotonic, ttft_window_s: float = REPLICA_TTFT_WINDOW_S,
                  keepalive_interval_s: float = KEEPALIVE_INTERVAL_S, engine_stall_s: float = ENGINE_STALL_S,
-                 engine_hung_s: float = ENGINE_HUNG_S) -> None:
+                 engine_hung_s: float = ENGINE_HUNG_S, stream_chunks_per_s: float = STREAM_CHUNKS_PER_S) -> None:
+        if not (isinstance(stream_chunks_per_s, (int, float)) and stream_chunks_per_s > 0):
+            raise ValueError(f"stream_chunks_per_s must be > 0, got {stream_chunks_per_s!r}")
         # Seconds from here until the engine could serve, by part (weights, tokenizer, kv_cache)
         # and in total: what a new replica costs before it takes traffic.
         started_s = time.perf_counter()
@@ -80,6 +91,8 @@ class LLMServer:
         self.keepalive_interval_s = keepalive_interval_s
         self.engine_stall_s = engine_stall_s
         self.engine_hung_s = engine_hung_s
+        self.stream_chunks_per_s = float(stream_chunks_per_s)
+        self.num_open_streams = 0
         # Requests that continued another replica's output (migrated by the ingress).
         self.num_resumed = 0
         # This replica's own registry, never prometheus_client's global one: several replicas (and
@@ -104,35 +117,60 @@ class LLMServer:
         """Stream a request. The first chunk (no tokens) confirms admission: every error a request
         can cause is raised before it, as an APIError. Closing the stream early aborts the request.
         While no output comes, a keep-alive chunk goes out every keepalive_interval_s for as long
-        as the engine thread is working.
+        as the engine core is working.
 
-        Outputs that piled up while the consumer was busy go out as one chunk: under load a token
-        costs a Ray message and an SSE event on every hop, and coalescing keeps that cost per
-        chunk, not per token, while an idle consumer still gets every token at once."""
+        Outputs go out as they come while this replica streams fewer than stream_chunks_per_s
+        chunks a second; beyond that budget a request's outputs are folded together (`extend`)
+        and sent at most every num_open_streams / stream_chunks_per_s seconds, the first token and
+        the last chunk at once (STREAM_CHUNKS_PER_S says why)."""
         ticket, stream = self._admit(request)
         resumed = bool(request.resumed_token_ids)
         self.num_resumed += resumed
+        self.num_open_streams += 1
         try:
             yield GenerationChunk(request.request_id, num_prompt_tokens=len(request.prompt_token_ids),
                                   replica_id=self.replica_id)
-            async for out in _outputs(stream, self.keepalive_interval_s):
+            pending: GenerationChunk | None = None  # folded outputs not sent yet
+            sent_s = float("-inf")
+            first_token_sent = False
+            while True:
+                wait_s = (self.keepalive_interval_s if pending is None
+                          else max(0.0, sent_s + self._stream_interval_s() - self.clock()))
+                out = await _next_output(stream, wait_s)
+                if out is _END:
+                    break
                 if out is None:
-                    if self.engine.seconds_since_alive() < self.engine_stall_s:
+                    if pending is not None:  # its interval is over
+                        yield pending
+                        pending, sent_s = None, self.clock()
+                    elif self.engine.seconds_since_alive() < self.engine_stall_s:
                         yield GenerationChunk(request.request_id, keepalive=True, replica_id=self.replica_id)
                     continue
-                chunk = out  # the engine's output is the stream chunk
                 for later in stream.ready():
-                    chunk.extend(later)
-                    out = later
-                if chunk.token_ids:
+                    out.extend(later)
+                if pending is None:
+                    pending = out
+                else:
+                    pending.extend(out)
+                if out.token_ids and not first_token_sent:
                     # A resumed request's first token here is not a time to first token.
                     ticket.first_token(sample=not resumed)
-                if out.finished:
-                    self._observe(out, resumed)
-                yield chunk
+                if pending.finished:
+                    self._observe(pending, resumed)
+                    yield pending
+                    break
+                if (pending.token_ids and not first_token_sent) or self.clock() - sent_s >= self._stream_interval_s():
+                    first_token_sent = first_token_sent or bool(pending.token_ids)
+                    yield pending
+                    pending, sent_s = None, self.clock()
         finally:
+            self.num_open_streams -= 1
             stream.close()
             ticket.done()
+
+    def _stream_interval_s(self) -> float:
+        """How long a stream waits between two chunks: 0 within the budget, more beyond it."""
+        return self.num_open_streams / self.stream_chunks_per_s
 
     async def generate(self, request: GenerateRequest) -> GenerationChunk:
         """Run a request to the end and return it as one finished chunk."""
@@ -249,15 +287,17 @@ class LLMServer:
             engine.shutdown(timeout_s=1.0)
 
 
-async def _outputs(stream: RequestStream, tick_s: float) -> AsyncIterator[GenerationChunk | None]:
-    """The stream's outputs, with None whenever tick_s passed without one; errors as APIErrors."""
+# What _next_output returns after the last output.
+_END = object()
+
+
+async def _next_output(stream: RequestStream, timeout_s: float) -> GenerationChunk | object | None:
+    """The stream's next output, None if none came within timeout_s, _END after the last one;
+    the engine's errors as APIErrors."""
     try:
-        while True:
-            try:
-                out = await stream.next_within(tick_s)
-            except StopAsyncIteration:
-                return
-            yield out
+        return await stream.next_within(timeout_s)
+    except StopAsyncIteration:
+        return _END
     except EngineDeadError as exc:
         raise not_ready(f"the engine stopped while serving this request: {exc}") from None
     except RequestFailed as exc:  # this request made a step fail; the engine and the rest go on

@@ -174,3 +174,55 @@ def test_block_hashes_from_a_caller_with_another_block_size_are_a_400():
         server.shutdown()
     assert (error.status, error.code, error.param) == (400, "invalid_block_hashes", "block_hashes")
     assert whole.finished and len(whole.token_ids) == 2
+
+
+def _stream_chunks(stream_chunks_per_s: float, num_streams: int, max_tokens: int = 40) -> list[list[list[int]]]:
+    """The token ids of each content chunk of each of num_streams concurrent streams."""
+    engine = LLMEngine(EngineConfig(block_size=4),
+                       model_runner=FakeKVRunner(256, 4, 256, 300, step_delay_s=0.002))
+    server = LLMServer(engine=AsyncLLMEngine(engine=engine), served_model_name="m", replica_id="r0",
+                       stream_chunks_per_s=stream_chunks_per_s)
+
+    async def one(i):
+        chunks = []
+        async for chunk in server.generate_stream(GenerateRequest([5 + i, 6, 7], greedy_params(max_tokens))):
+            if chunk.token_ids:
+                chunks.append(list(chunk.token_ids))
+        return chunks
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(num_streams)))
+
+    try:
+        return asyncio.run(main())
+    finally:
+        server.shutdown()
+
+
+def greedy_params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def test_within_the_chunk_budget_every_token_goes_out_alone():
+    for chunks, i in zip(_stream_chunks(stream_chunks_per_s=1e6, num_streams=2), range(2)):
+        assert [t for c in chunks for t in c] == reference_tokens([5 + i, 6, 7], 40, 300)
+        assert len(chunks) >= 35, "a consumer that keeps up gets (nearly) one chunk per token"
+
+
+def test_beyond_the_chunk_budget_tokens_are_folded_but_first_and_last_are_not_held():
+    """4 streams on a budget of 20 chunks/s: each stream sends at most every 0.2 s, while the
+    engine makes a token every ~2 ms. The first token still goes out alone, every token arrives
+    once and in order, and the whole stream is far fewer chunks."""
+    for i, chunks in enumerate(_stream_chunks(stream_chunks_per_s=20, num_streams=4)):
+        assert [t for c in chunks for t in c] == reference_tokens([5 + i, 6, 7], 40, 300)
+        assert len(chunks[0]) == 1, "the first token is never held back"
+        assert len(chunks) <= 6, [len(c) for c in chunks]
+
+
+def test_the_chunk_budget_must_be_positive():
+    engine = AsyncLLMEngine(engine=LLMEngine(EngineConfig(block_size=4), model_runner=FakeKVRunner(64, 4, 256, 300)))
+    try:
+        with pytest.raises(ValueError, match="stream_chunks_per_s"):
+            LLMServer(engine=engine, served_model_name="m", stream_chunks_per_s=0)
+    finally:
+        engine.shutdown()
