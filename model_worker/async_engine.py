@@ -225,6 +225,12 @@ class ProcessCore:
         env = dict(os.environ)
         # The core imports what this process imports, wherever Ray put it (a working_dir).
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # The core shares the machine with the serving path (this process, the ingress, the HTTP
+        # proxy). OpenMP workers that spin between parallel regions take the cores those need, and a
+        # region stalls whenever a spinning worker is descheduled: measured on the tiny model on 2
+        # cores, 16 streams served at 220 tok/s spinning and 326 tok/s passive (docs/benchmarks.md).
+        # An explicit setting of the operator's wins.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self._process = subprocess.Popen(
             [sys.executable, "-c", _CORE_MAIN, str(child_conn.fileno()), str(os.getpid())],
             pass_fds=(child_conn.fileno(),), env=env, stdin=subprocess.DEVNULL)
