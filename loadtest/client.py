@@ -39,6 +39,9 @@ class ClientConfig:
     allow_remote: bool = False
     # Sampling of the server's /metrics for the timeline plot; 0 turns it off.
     sample_interval_s: float = 0.5
+    # Send each request's priority label ("interactive", ...) as `priority`. Off for servers whose
+    # `priority` means something else: vLLM takes an int there and refuses our labels.
+    send_priority: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("open", "closed"):
@@ -172,7 +175,9 @@ class _Runner:
     async def _send(self, request: BenchRequest, result: RequestResult) -> None:
         body: dict[str, Any] = {"prompt": list(request.prompt_token_ids), "max_tokens": request.output_tokens,
                                 "temperature": 0.0, "ignore_eos": True, "stream": True,
-                                "stream_options": {"include_usage": True}, "priority": request.priority}
+                                "stream_options": {"include_usage": True}}
+        if self.config.send_priority:
+            body["priority"] = request.priority
         if self.config.model is not None:
             body["model"] = self.config.model
         result.sent_s = self.now()
