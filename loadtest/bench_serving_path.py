@@ -43,6 +43,9 @@ from loadtest.results import SLO, RequestResult, summarize
 from loadtest.traces import BenchRequest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# How the replica runs its engine: the step loop in a process of its own, or in a thread beside the
+# replica's event loop (EngineConfig.engine_process).
+SERVED_MODES = ("process", "thread")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,7 +61,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", action="store_true", help="py-spy the replica, the ingress and the proxy")
+    p.add_argument("--profile", action="store_true",
+                   help="py-spy the replica, its engine core, the ingress and the proxy")
+    p.add_argument("--served", default="process",
+                   help="comma-separated: 'process' (the engine core in its own process, the default "
+                        "deployment) and/or 'thread' (the step loop in a thread of the replica, as before "
+                        "issue 14), each served and measured in turn")
+    p.add_argument("--peer", choices=("vllm",), default=None,
+                   help="also serve the same checkpoint with vLLM's CPU build (installed once into its own "
+                        "environment under the model cache) and drive it with the same client and requests")
+    p.add_argument("--peer-port", type=int, default=8011)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "serving_path")
     args = p.parse_args(argv)
     args.num_requests = args.num_requests or (16 if args.quick else 64)
@@ -67,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--output-tokens must be >= 2 (TPOT needs two tokens)")
     if not args.rate > 0:
         p.error("--rate must be > 0")
+    args.served = [mode.strip() for mode in args.served.split(",") if mode.strip()]
+    if not args.served or set(args.served) - set(SERVED_MODES) or len(set(args.served)) != len(args.served):
+        p.error(f"--served takes distinct modes among {', '.join(SERVED_MODES)}, got {args.served}")
     return args
 
 
@@ -125,7 +140,8 @@ def offline(args: argparse.Namespace, burst: list[BenchRequest], light: list[Ben
     }
 
 
-def served(args: argparse.Namespace, burst: list[BenchRequest], light: list[BenchRequest]) -> dict[str, Any]:
+def served(args: argparse.Namespace, burst: list[BenchRequest], light: list[BenchRequest],
+           mode: str = "process") -> dict[str, Any]:
     """The same requests over HTTP: the light load, then the burst, with a warm-up before."""
     from ray import serve
 
@@ -133,7 +149,8 @@ def served(args: argparse.Namespace, burst: list[BenchRequest], light: list[Benc
 
     base = start_local_serve()
     try:
-        app_args = {"model": args.model, "engine_args": _engine_args(args), "num_replicas": 1,
+        engine_args = {**_engine_args(args), "engine_process": mode == "process"}
+        app_args = {"model": args.model, "engine_args": engine_args, "num_replicas": 1,
                     # The burst must be measured, not shed.
                     "admission": {"max_waiting_requests": 100_000},
                     "ingress_admission": {"max_waiting_requests": 100_000, "batch_max_wait_s": 1e9}}
@@ -141,44 +158,87 @@ def served(args: argparse.Namespace, burst: list[BenchRequest], light: list[Benc
         serve.run(build_app(app_args), name="iterserve", route_prefix="/")
         print(f"server up in {time.monotonic() - started_s:.0f} s at {base}", flush=True)
         config = ClientConfig(base, sample_interval_s=0)
-        warm = [BenchRequest(f"warm-{i}", burst[i].prompt_token_ids[::-1], 8, 0.0) for i in range(4)]
-        asyncio.run(run_load(warm, config))
-        profiler = Profiler(args.out) if args.profile else None
+        _warm_up(config, burst)
+        # CPU per process always (it reads /proc); py-spy's samples with --profile.
+        profiler = Profiler(args.out / mode, sample=args.profile)
         runs = {}
         for name, workload in (("light", light), ("burst", burst)):
-            if profiler is not None:
-                profiler.start(name, duration_s=_expected_s(name, workload, args))
+            profiler.start(name, duration_s=_expected_s(name, workload, args))
             before = engine_side(base)
             load = asyncio.run(run_load(workload, config))
             after = engine_side(base)
-            if profiler is not None:
-                profiler.stop()
+            profiler.stop()
             runs[name] = {"summary": summarize(load.results, SLO()), "results": load.results,
                           "engine_side": {k: _delta_mean(before, after, k) for k in before}}
             _check_all_ok(name, load.results)
-            print(summary_line({"label": f"served {name}", "summary": runs[name]["summary"]}), flush=True)
-        if profiler is not None:
-            runs["profile"] = profiler.report()
+            print(summary_line({"label": f"served ({mode}) {name}", "summary": runs[name]["summary"]}), flush=True)
+        runs["profile"] = profiler.report()
         return runs
     finally:
         stop_local_serve()
+
+
+def _warm_up(config: ClientConfig, burst: list[BenchRequest]) -> None:
+    warm = [BenchRequest(f"warm-{i}", burst[i].prompt_token_ids[::-1], 8, 0.0) for i in range(4)]
+    asyncio.run(run_load(warm, config))
+
+
+def peer_vllm(args: argparse.Namespace, burst: list[BenchRequest], light: list[BenchRequest]) -> dict[str, Any]:
+    """The same requests, the same client, against `vllm serve` of the same checkpoint and dtype."""
+    from loadtest.peer_vllm import VLLMServer, ensure_vllm
+    from model_worker.cpu_features import has_native_bf16
+    from model_worker.models import resolve_model, served_name
+
+    python = ensure_vllm()
+    # Our "auto": bfloat16 where the CPU has native bf16, float32 elsewhere.
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if has_native_bf16() else "float32")
+    name = served_name(args.model)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started_s = time.monotonic()
+    with VLLMServer(python, resolve_model(args.model), name, args.peer_port, dtype=dtype,
+                    log_path=args.out / "vllm-server.log") as server:
+        print(f"vLLM up in {time.monotonic() - started_s:.0f} s at {server.base_url}", flush=True)
+        # vLLM's `priority` is an int for its priority scheduler: our labels are left out.
+        config = ClientConfig(server.base_url, model=name, sample_interval_s=0, send_priority=False)
+        _warm_up(config, burst)
+        runs: dict[str, Any] = {}
+        for run, workload in (("light", light), ("burst", burst)):
+            before = engine_side(server.base_url, _VLLM_HISTOGRAMS)
+            load = asyncio.run(run_load(workload, config))
+            after = engine_side(server.base_url, _VLLM_HISTOGRAMS)
+            runs[run] = {"summary": summarize(load.results, SLO()), "results": load.results,
+                         "engine_side": {k: _delta_mean(before, after, k) for k in before}}
+            _check_all_ok(f"vllm {run}", load.results)
+            print(summary_line({"label": f"vllm {run}", "summary": runs[run]["summary"]}), flush=True)
+    return runs
+
+
+def versus_peer(figures: dict[str, Any], prefix: str) -> dict[str, float]:
+    """Ours over the peer's, side by side: below 1 is better for latencies, above 1 for tok/s."""
+    ratio = lambda a, b: None if a is None or not b else a / b  # noqa: E731
+    return {f"ttft_p50_over_{prefix}": ratio(figures["http_ttft_p50_ms"], figures[f"{prefix}_http_ttft_p50_ms"]),
+            f"tpot_p50_over_{prefix}": ratio(figures["http_tpot_p50_ms"], figures[f"{prefix}_http_tpot_p50_ms"]),
+            f"itl_p50_over_{prefix}": ratio(figures["http_itl_p50_ms"], figures[f"{prefix}_http_itl_p50_ms"]),
+            f"tokens_per_s_over_{prefix}": ratio(figures["http_tokens_per_s"], figures[f"{prefix}_http_tokens_per_s"])}
 
 
 # The replica's own latency histograms (engine clock): TTFT from arrival at the engine, and the gap
 # between consecutive tokens as the engine sampled them.
 _ENGINE_HISTOGRAMS = {"ttft_s": "iterserve_time_to_first_token_seconds",
                       "itl_s": "iterserve_inter_token_latency_seconds"}
+# vLLM's own (its engine's clock): the same two.
+_VLLM_HISTOGRAMS = {"ttft_s": "vllm:time_to_first_token_seconds", "itl_s": "vllm:inter_token_latency_seconds"}
 
 
-def engine_side(base: str) -> dict[str, tuple[float, float]]:
+def engine_side(base: str, histograms: dict[str, str] = _ENGINE_HISTOGRAMS) -> dict[str, tuple[float, float]]:
     """(sum, count) of each engine-side histogram, over every replica, from GET /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{base}/metrics", timeout=30).text
-    totals = {key: [0.0, 0.0] for key in _ENGINE_HISTOGRAMS}
+    totals = {key: [0.0, 0.0] for key in histograms}
     for family in text_string_to_metric_families(text):
-        for key, name in _ENGINE_HISTOGRAMS.items():
+        for key, name in histograms.items():
             if family.name == name:
                 for sample in family.samples:
                     if sample.name == name + "_sum":
@@ -205,13 +265,15 @@ def _check_all_ok(name: str, results: list[RequestResult]) -> None:
 
 
 class Profiler:
-    """py-spy on the replica, the ingress and the HTTP proxy, sampling without pausing them."""
+    """CPU seconds of the replica, its engine core, the ingress, the HTTP proxy and the client per
+    run, and (sample=True) py-spy on the first four, sampling without pausing them."""
 
     ROLES = {"replica": "LLMServer", "ingress": "OpenAIIngress", "proxy": "ProxyActor"}
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, sample: bool = True) -> None:
+        self.sample = sample
         self.py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-        if not os.path.exists(self.py_spy):
+        if sample and not os.path.exists(self.py_spy):
             raise RuntimeError("--profile needs py-spy (pip install py-spy)")
         self.out_dir = out_dir / "profiles"
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -228,7 +290,7 @@ class Profiler:
         self._cpu_at_start = {role: _cpu_seconds(pid) for role, pid in self.pids.items()}
         self._cpu_at_start["client"] = _cpu_seconds(os.getpid())
         self._cpu_at_start["machine"] = _machine_busy_seconds()
-        for role, pid in self.pids.items():
+        for role, pid in self.pids.items() if self.sample else ():
             path = self.out_dir / f"{run}-{role}.txt"
             self.files[run][role] = path
             self.running.append(subprocess.Popen(
@@ -254,9 +316,9 @@ class Profiler:
 
     def report(self) -> dict[str, dict[str, Any]]:
         """Per run and process: CPU seconds used during the run, and the top functions."""
-        return {run: {**{role: {"cpu_s": self.cpu_s[run][role], **top_functions(path)} for role, path in files.items()},
-                      **{role: {"cpu_s": self.cpu_s[run][role]} for role in ("client", "machine")}}
-                for run, files in self.files.items()}
+        return {run: {role: {"cpu_s": cpu_s, **(top_functions(self.files[run][role]) if role in self.files[run] else {})}
+                      for role, cpu_s in self.cpu_s[run].items()}
+                for run in self.files}
 
 
 def _machine_busy_seconds() -> float:
@@ -272,7 +334,8 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _actor_pids(roles: dict[str, str]) -> dict[str, int]:
-    """Ray names each actor's process after its class (its title, in /proc/PID/cmdline)."""
+    """Ray names each actor's process after its class (its title, in /proc/PID/cmdline); the
+    replica's engine core, when it has one, is the process running model_worker.engine_core."""
     pids = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -284,6 +347,8 @@ def _actor_pids(roles: dict[str, str]) -> dict[str, int]:
         for role, needle in roles.items():
             if cmdline.startswith("ray::") and needle in cmdline:
                 pids[role] = int(proc.name)
+        if "model_worker.engine_core" in cmdline and not cmdline.startswith("ray::"):
+            pids["engine_core"] = int(proc.name)
     missing = sorted(set(roles) - set(pids))
     if missing:
         raise RuntimeError(f"no live actor process found for {missing}")
@@ -313,14 +378,24 @@ def top_functions(path: Path, limit: int = 12) -> dict[str, Any]:
     return {"samples": total, "self": share(own), "inclusive": share(inclusive)}
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
 def headline(off: dict[str, Any], http: dict[str, Any]) -> dict[str, Any]:
-    ms = lambda v: None if v is None else v * 1000  # noqa: E731
+    """The offline figures and one served mode's, with the ratios between them."""
+    return {"offline_decode_step_ms": off["decode_step_ms"],
+            "offline_tpot_p50_ms": _ms(off["light"]["tpot_s"]["p50"]),
+            "offline_ttft_p50_ms": _ms(off["light"]["ttft_s"]["p50"]),
+            "offline_tokens_per_s": off["tokens_per_s"],
+            **served_figures(off, http)}
+
+
+def served_figures(off: dict[str, Any], http: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """One served mode's figures (keys prefixed for a second mode), the ratios to the offline ones."""
+    ms = _ms
     light, burst = http["light"]["summary"], http["burst"]["summary"]
     figures = {
-        "offline_decode_step_ms": off["decode_step_ms"],
-        "offline_tpot_p50_ms": ms(off["light"]["tpot_s"]["p50"]),
-        "offline_ttft_p50_ms": ms(off["light"]["ttft_s"]["p50"]),
-        "offline_tokens_per_s": off["tokens_per_s"],
         "http_ttft_p50_ms": ms(light["ttft_s"]["p50"]),
         "http_tpot_p50_ms": ms(light["tpot_s"]["p50"]),
         "http_itl_p50_ms": ms(light["itl_s"]["p50"]),
@@ -335,10 +410,17 @@ def headline(off: dict[str, Any], http: dict[str, Any]) -> dict[str, Any]:
         figures[f"{run}_http_tpot_mean_ms"] = ms(summary["tpot_s"]["mean"])
         figures[f"{run}_engine_ttft_mean_ms"] = ms(engine["ttft_s"])
         figures[f"{run}_http_ttft_mean_ms"] = ms(summary["ttft_s"]["mean"])
-    figures["tpot_over_step"] = figures["http_tpot_p50_ms"] / figures["offline_decode_step_ms"]
-    figures["tpot_over_offline_tpot"] = figures["http_tpot_p50_ms"] / figures["offline_tpot_p50_ms"]
-    figures["http_over_offline_throughput"] = figures["http_tokens_per_s"] / figures["offline_tokens_per_s"]
-    return figures
+    figures["tpot_over_step"] = figures["http_tpot_p50_ms"] / off["decode_step_ms"]
+    figures["tpot_over_offline_tpot"] = figures["http_tpot_p50_ms"] / (off["light"]["tpot_s"]["p50"] * 1000)
+    figures["http_over_offline_throughput"] = figures["http_tokens_per_s"] / off["tokens_per_s"]
+    if "profile" in http:
+        # CPU each process spent per output token it helped serve: the cost of a token per hop.
+        for run in ("light", "burst"):
+            tokens = http[run]["summary"]["total_output_tokens"]
+            figures[f"cpu_ms_per_token_{run}"] = {role: round(p["cpu_s"] * 1000 / tokens, 2)
+                                                  for role, p in http["profile"][run].items()}
+        figures["profile"] = http["profile"]
+    return {prefix + key: value for key, value in figures.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,20 +432,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"offline: decode step {off['decode_step_ms']:.1f} ms at batch 1; "
           f"{off['tokens_per_s']:.1f} tok/s with {len(burst)} at once; "
           f"TPOT p50 {off['light']['tpot_s']['p50'] * 1000:.1f} ms at {args.rate:g} req/s", flush=True)
-    http = served(args, burst, light)
-    figures = headline(off, http)
+    http = {mode: served(args, burst, light, mode) for mode in args.served}
+    figures = headline(off, http[args.served[0]])
+    for mode in args.served[1:]:
+        figures.update(served_figures(off, http[mode], prefix=f"{mode}_"))
+    if args.peer == "vllm":
+        figures.update(served_figures(off, peer_vllm(args, burst, light), prefix="vllm_"))
+        figures.update(versus_peer(figures, "vllm"))
     figures["config"] = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
-                         "num_requests": args.num_requests, "rate": args.rate, "rate_requests": args.rate_requests,
+                         "served": args.served, "num_requests": args.num_requests, "rate": args.rate, "rate_requests": args.rate_requests,
                          "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                          "cpu_count": os.cpu_count(), "total_s": time.monotonic() - started_s}
     args.out.mkdir(parents=True, exist_ok=True)
-    if "profile" in http:
-        figures["profile"] = http["profile"]
-        # CPU each process spent per output token it helped serve: the cost of a token per hop.
-        for run in ("light", "burst"):
-            tokens = http[run]["summary"]["total_output_tokens"]
-            figures[f"cpu_ms_per_token_{run}"] = {role: round(p["cpu_s"] * 1000 / tokens, 2)
-                                                  for role, p in http["profile"][run].items()}
     (args.out / "serving_path.json").write_text(json.dumps(figures, indent=1))
     print(json.dumps(figures), flush=True)
     return 0
