@@ -153,7 +153,8 @@ def served(args: argparse.Namespace, burst: list[BenchRequest], light: list[Benc
         app_args = {"model": args.model, "engine_args": engine_args, "num_replicas": 1,
                     # The burst must be measured, not shed.
                     "admission": {"max_waiting_requests": 100_000},
-                    "ingress_admission": {"max_waiting_requests": 100_000, "batch_max_wait_s": 1e9}}
+                    "ingress_admission": {"max_waiting_requests": 100_000, "batch_max_wait_s": 1e9,
+                                          "queue_timeout_s": 1e9}}
         started_s = time.monotonic()
         serve.run(build_app(app_args), name="iterserve", route_prefix="/")
         print(f"server up in {time.monotonic() - started_s:.0f} s at {base}", flush=True)
