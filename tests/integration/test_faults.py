@@ -260,7 +260,9 @@ def test_a_request_that_cannot_get_a_first_token_in_time_gets_503(app, client):
         async with httpx.AsyncClient(base_url=app.base, timeout=CLIENT_TIMEOUT_S) as c:
             seated = [asyncio.ensure_future(c.post("/v1/completions", json=greedy_body(f"long {i}", 200)))
                       for i in range(96)]
-            await asyncio.sleep(1.0)
+            # Every long request holds a seat or waits in an engine before the late ones come: a
+            # fixed sleep raced the path on a loaded machine (one late request got a seat).
+            await _until_engines_hold(c, 96, timeout_s=30.0)
             started_s = time.monotonic()
             late = await asyncio.gather(*(c.post("/v1/completions", json=greedy_body("late", 4)) for _ in range(4)))
             waited_s = time.monotonic() - started_s
@@ -343,6 +345,20 @@ def test_streams_survive_their_replica_dying_or_freezing(app, client, fault):
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+async def _until_engines_hold(c: httpx.AsyncClient, num_requests: int, timeout_s: float) -> None:
+    """Wait until the replicas' engines run or queue num_requests in all (from /metrics)."""
+    deadline_s = time.monotonic() + timeout_s
+    held = 0
+    while time.monotonic() < deadline_s:
+        text = (await c.get("/metrics")).text
+        held = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(("iterserve_num_requests_running{", "iterserve_num_requests_waiting{")))
+        if held >= num_requests:
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"the engines hold {held} of {num_requests} requests after {timeout_s} s")
+
 
 def _log_count(text: str) -> int:
     """How often `text` appears in this Ray session's logs (every process's stdout and stderr)."""
