@@ -1,21 +1,29 @@
 """What the serving path costs a token: the engine alone against the served system, side by side.
 
-    python -m loadtest.bench_serving_path [--quick] [--model PATH] [--profile] [--out DIR]
+    python -m loadtest.bench_serving_path [--quick] [--model PATH] [--served process,thread]
+                                          [--peer vllm] [--profile] [--out DIR]
 
 One run, on the same requests (random prompt tokens, a fixed output length, EOS ignored):
 
 1. Offline, the engine in this process: the decode step at batch 1 (median over a request's
-   decode steps), the same 1 req/s arrivals replayed into the engine (its TPOT), and every request
-   at t=0 (useful output tokens/s).
+   decode steps), the same light-load arrivals replayed into the engine (its TPOT), and every
+   request at t=0 (useful output tokens/s).
 2. Served, `iterserve`'s Serve application with one replica on a local Ray, over HTTP with the
-   streaming load client (loadtest.client): the 1 req/s arrivals (TTFT, TPOT and ITL p50) and every
-   request at once (output tokens/s). With `--profile`, py-spy samples the replica, the ingress and
-   the HTTP proxy during both (their top functions go into the output directory and the JSON).
+   streaming load client (loadtest.client), once per `--served` mode (the engine core in its own
+   process, or the step loop in a thread of the replica): the light-load arrivals (TTFT, TPOT and
+   ITL p50) and every request at once (output tokens/s). The replica's own TTFT and inter-token
+   histograms are scraped before and after each run, and the CPU time of the replica, its engine
+   core, the ingress, the HTTP proxy and the client is read from /proc; with `--profile`, py-spy
+   samples them too (their top functions go into the output directory and the JSON).
+3. With `--peer vllm`, vLLM's CPU build serving the same checkpoint and dtype
+   (loadtest/peer_vllm.py), driven by the same client and requests, its own histograms scraped.
 
 TPOT is (E2E - TTFT) / (output tokens - 1), vLLM's definition, and ITL the gap between content
 chunks. The last line printed is one JSON object: offline_decode_step_ms, offline_tpot_p50_ms,
-offline_tokens_per_s, http_ttft_p50_ms, http_tpot_p50_ms, http_itl_p50_ms, http_tokens_per_s, and
-the ratios tpot_over_step (HTTP TPOT over the batch-1 step) and http_over_offline_throughput.
+offline_tokens_per_s, http_ttft_p50_ms, http_tpot_p50_ms, http_itl_p50_ms, http_tokens_per_s, the
+ratios tpot_over_step (HTTP TPOT over the batch-1 step) and http_over_offline_throughput; a second
+served mode's figures prefixed with its name, the peer's with `vllm_`, and ours over the peer's
+(ttft_p50_over_vllm, tpot_p50_over_vllm, itl_p50_over_vllm, tokens_per_s_over_vllm).
 """
 
 from __future__ import annotations
