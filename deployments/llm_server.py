@@ -36,11 +36,11 @@ from model_worker.scheduler import RequestRejected
 # A stream with no output for this long gets a keep-alive chunk, so the ingress can tell a request
 # that waits (queued, or a long prefill) from a replica that is frozen or gone.
 KEEPALIVE_INTERVAL_S = 1.0
-# Keep-alives stop once the engine thread has not begun a step for this long: a step that hangs
+# Keep-alives stop once the engine core has not begun a step for this long: a step that hangs
 # (a stuck kernel) must look like a dead replica to the ingress, which then migrates its streams.
 # Far above any step's time (a full token budget of prefill is well under a second on a GPU).
 ENGINE_STALL_S = 5.0
-# check_health fails once the engine thread has not begun a step for this long, and Serve
+# check_health fails once the engine core has not begun a step for this long, and Serve
 # replaces the replica. Longer than ENGINE_STALL_S: the streams have been migrated by then, and
 # a replica is only killed for a hang, never for one slow step.
 ENGINE_HUNG_S = 30.0
@@ -227,13 +227,13 @@ class LLMServer:
         return self.info
 
     async def check_health(self) -> None:
-        """Serve restarts a replica whose health check raises: an engine thread that stopped, or
+        """Serve restarts a replica whose health check raises: an engine core that stopped, or
         one that has not begun a step for engine_hung_s."""
         if not self.engine.is_running:
-            raise RuntimeError(f"the engine thread on replica {self.replica_id} has stopped")
+            raise RuntimeError(f"the engine core on replica {self.replica_id} has stopped")
         stalled_s = self.engine.seconds_since_alive()
         if stalled_s > self.engine_hung_s:
-            raise RuntimeError(f"the engine thread on replica {self.replica_id} has not begun a step for "
+            raise RuntimeError(f"the engine core on replica {self.replica_id} has not begun a step for "
                                f"{stalled_s:.0f} s")
 
     async def ready(self) -> dict[str, Any]:
