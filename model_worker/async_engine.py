@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from multiprocessing import Pipe
 from typing import Any
 
 from contracts.engine_stats import EngineStats
@@ -30,8 +26,7 @@ from contracts.sampling import SamplingParams
 from contracts.serving import GenerationChunk
 from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.engine import LLMEngine
-from model_worker.engine_core import EngineCore, EngineInfo, ProgressTuple
-from model_worker.models import load_tokenizer, resolve_model
+from model_worker.engine_core import EngineInfo, ProcessCore, ProgressTuple, ThreadCore
 from model_worker.output_processor import OutputProcessor
 from model_worker.request_checks import RequestChecker, RequestRejected
 
@@ -191,112 +186,6 @@ class RequestStream:
         return GenerationChunk(self.request_id, finished=True, finish_reason="stop", stop_reason=self._stop,
                                num_prompt_tokens=chunk.num_prompt_tokens, num_output_tokens=self._num_output_tokens,
                                num_cached_tokens=chunk.num_cached_tokens, timings=timings)
-
-
-class ThreadCore:
-    """The engine core in a thread of this process (an engine passed in: tests, fakes)."""
-
-    def __init__(self, engine: LLMEngine, on_message: Callable[[tuple], None], clock: Callable[[], float]) -> None:
-        self.core = EngineCore(engine, on_message, clock)
-        self.send = self.core.submit
-        self._thread = threading.Thread(target=self.core.run, name="iterserve-engine", daemon=True)
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def shutdown(self, timeout_s: float) -> None:
-        self.send(("shutdown",))
-        self._thread.join(timeout_s)
-
-
-_CORE_MAIN = "import sys; from model_worker.engine_core import main; sys.exit(main(sys.argv))"
-
-
-class ProcessCore:
-    """The engine core in a process of its own (model_worker.engine_core.main), over a
-    socket pair: pickled tuples, one message per step. The constructor returns once the engine is
-    built (its EngineInfo in `info`) and raises if it could not be. A reader thread hands every
-    message to on_message; the core's end of the pipe closing (it exited, or was killed) is a
-    ("dead", why) message. The core exits when this process goes away."""
-
-    def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None]) -> None:
-        self._conn, child_conn = Pipe()
-        env = dict(os.environ)
-        # The core imports what this process imports, wherever Ray put it (a working_dir).
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        # The core shares the machine with the serving path (this process, the ingress, the HTTP
-        # proxy). OpenMP workers that spin between parallel regions take the cores those need, and a
-        # region stalls whenever a spinning worker is descheduled: measured on the tiny model on 2
-        # cores, 16 streams served at 220 tok/s spinning and 326 tok/s passive (docs/benchmarks.md).
-        # An explicit setting of the operator's wins.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", _CORE_MAIN, str(child_conn.fileno()), str(os.getpid())],
-            pass_fds=(child_conn.fileno(),), env=env, stdin=subprocess.DEVNULL)
-        child_conn.close()
-        self._send_lock = threading.Lock()
-        self._closed = False
-        self.send(config)
-        # Loaded here while the core loads the model (the core converts an embedded model once,
-        # under the model cache's lock, and this waits for it there).
-        try:
-            self.tokenizer = load_tokenizer(config.tokenizer or resolve_model(config.model))
-        except BaseException:
-            self._process.kill()
-            raise
-        self.info: EngineInfo = self._wait_ready()
-        self._on_message = on_message
-        self._reader = threading.Thread(target=self._read, name="iterserve-core-outputs", daemon=True)
-        self._reader.start()
-
-    def _wait_ready(self) -> EngineInfo:
-        try:
-            message = self._conn.recv()
-        except (EOFError, OSError):
-            message = ("failed", f"the engine process exited with code {self._process.wait()} while loading")
-        if message[0] != "ready":
-            self._process.wait(10)
-            raise RuntimeError(f"the engine could not be built: {message[1]}")
-        return message[1]
-
-    def send(self, message: Any) -> None:
-        """Never raises: a core that is gone is reported by the reader."""
-        with self._send_lock:
-            if self._closed:
-                return
-            try:
-                self._conn.send(message)
-            except (OSError, ValueError):
-                pass
-
-    def _read(self) -> None:
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                code = self._process.wait()
-                self._on_message(("dead", f"the engine process exited with code {code}"))
-                return
-            self._on_message(message)
-
-    def is_alive(self) -> bool:
-        return self._process.poll() is None
-
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
-    def shutdown(self, timeout_s: float) -> None:
-        self.send(("shutdown",))
-        try:
-            self._process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
-        with self._send_lock:
-            self._closed = True
-            self._conn.close()
 
 
 class AsyncLLMEngine:

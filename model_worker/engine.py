@@ -112,15 +112,26 @@ class LLMEngine:
         resumed = self.checks.check_resumed(resumed_token_ids, params)
         prompt_token_ids = self.checks.tokenize(prompt)
         hashes = self.checks.check_block_hashes(block_hashes, prompt_token_ids, cache_key)
+        return self.add_checked_request(request_id, prompt_token_ids, params, Priority.parse(priority),
+                                        self.clock() if arrival_time is None else arrival_time,
+                                        cache_key, resumed, hashes)
+
+    def add_checked_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                            priority: Priority, arrival_s: float, cache_key: str | None, resumed: list[int],
+                            block_hashes: list[int]) -> Request:
+        """Queue a request whose prompt, resumed tokens and block hashes already passed
+        `self.checks` (AsyncLLMEngine runs them where the request comes in): the engine core does
+        not scan a prompt a second time between two steps. The scheduler still refuses a duplicate
+        id or a request that cannot fit."""
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
-            priority=Priority.parse(priority),
-            timings=RequestTimings(arrival_s=self.clock() if arrival_time is None else arrival_time),
+            priority=priority,
+            timings=RequestTimings(arrival_s=arrival_s),
             cache_key=cache_key,
             output_token_ids=resumed,
-            block_hashes=hashes,
+            block_hashes=block_hashes,
         )
         self.scheduler.add_request(request)
         if self.detokenize:

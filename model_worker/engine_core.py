@@ -5,9 +5,10 @@ when there is work, and emits that step's outputs as one message; idle, it sleep
 or IDLE_TICK_S. It never tokenizes, detokenizes or converts outputs for a wire: the consumer does
 (model_worker/async_engine.py), and a progress output crosses as a 4-tuple, not an object.
 
-It runs in a thread of the caller's process, or, for serving, as a process of its own
-(`main`, started by async_engine.ProcessCore; not `python -m`, under which its classes would
-belong to `__main__` and not unpickle on the other side), in the manner of
+ThreadCore and ProcessCore, below, are the two ways a consumer runs it, so both ends of the
+messages live in this file: a thread of the caller's process, or, for serving, a process of its
+own (`main`; started with `python -c`, not `python -m`, under which its classes would belong to
+`__main__` and not unpickle on the other side), in the manner of
 vLLM v1's engine core: the replica's event loop, Ray's streaming and the detokenizer then run
 beside the step, not between two steps under one GIL. Messages, as tuples:
 
@@ -26,18 +27,22 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
+from contracts.priority import Priority
 from contracts.serving import GenerationChunk
 from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.engine import LLMEngine
+from model_worker.models import load_tokenizer
 from model_worker.request_checks import RequestRejected
 
 # An idle core still wakes this often and says so, so that its consumer tells an idle engine from
@@ -125,8 +130,9 @@ class EngineCore:
                 self.emit(("rejected", request_id, RuntimeError("the engine is not running")))
                 return
             try:
-                engine.add_request(request_id, token_ids, params, priority, arrival_time=arrival_s,
-                                   cache_key=cache_key, resumed_token_ids=resumed, block_hashes=hashes)
+                # Checked by the sender (AsyncLLMEngine.add_request): not scanned again here.
+                engine.add_checked_request(request_id, token_ids, params, Priority(priority), arrival_s,
+                                           cache_key, resumed, hashes)
             except Exception as exc:
                 self.emit(("rejected", request_id, portable(exc)))
         elif kind == "abort":
@@ -165,6 +171,114 @@ def portable(exc: BaseException) -> BaseException:
     if isinstance(exc, RequestRejected):
         return exc
     return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+# ---- how a consumer runs it: a thread of its own process, or a process -----------------------------
+
+class ThreadCore:
+    """The engine core in a thread of this process (an engine passed in: tests, fakes)."""
+
+    def __init__(self, engine: LLMEngine, on_message: Callable[[tuple], None], clock: Callable[[], float]) -> None:
+        self.core = EngineCore(engine, on_message, clock)
+        self.send = self.core.submit
+        self._thread = threading.Thread(target=self.core.run, name="iterserve-engine", daemon=True)
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout_s: float) -> None:
+        self.send(("shutdown",))
+        self._thread.join(timeout_s)
+
+
+_CORE_MAIN = "import sys; from model_worker.engine_core import main; sys.exit(main(sys.argv))"
+
+
+class ProcessCore:
+    """The engine core in a process of its own (model_worker.engine_core.main), over a
+    socket pair: pickled tuples, one message per step. The constructor returns once the engine is
+    built (its EngineInfo in `info`) and raises if it could not be. A reader thread hands every
+    message to on_message; the core's end of the pipe closing (it exited, or was killed) is a
+    ("dead", why) message. The core exits when this process goes away."""
+
+    def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None]) -> None:
+        self._conn, child_conn = Pipe()
+        env = dict(os.environ)
+        # The core imports what this process imports, wherever Ray put it (a working_dir).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # The core shares the machine with the serving path (this process, the ingress, the HTTP
+        # proxy). OpenMP workers that spin between parallel regions take the cores those need, and a
+        # region stalls whenever a spinning worker is descheduled: measured on the tiny model on 2
+        # cores, 16 streams served at 220 tok/s spinning and 326 tok/s passive (docs/benchmarks.md).
+        # An explicit setting of the operator's wins.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", _CORE_MAIN, str(child_conn.fileno()), str(os.getpid())],
+            pass_fds=(child_conn.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        child_conn.close()
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self.send(config)
+        # Loaded here while the core loads the model (the core converts an embedded model once,
+        # under the model cache's lock, and this waits for it there).
+        try:
+            self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        except BaseException:
+            self._process.kill()
+            raise
+        self.info: EngineInfo = self._wait_ready()
+        self._on_message = on_message
+        self._reader = threading.Thread(target=self._read, name="iterserve-core-outputs", daemon=True)
+        self._reader.start()
+
+    def _wait_ready(self) -> EngineInfo:
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            message = ("failed", f"the engine process exited with code {self._process.wait()} while loading")
+        if message[0] != "ready":
+            self._process.wait(10)
+            raise RuntimeError(f"the engine could not be built: {message[1]}")
+        return message[1]
+
+    def send(self, message: Any) -> None:
+        """Never raises: a core that is gone is reported by the reader."""
+        with self._send_lock:
+            if self._closed:
+                return
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):
+                pass
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                code = self._process.wait()
+                self._on_message(("dead", f"the engine process exited with code {code}"))
+                return
+            self._on_message(message)
+
+    def is_alive(self) -> bool:
+        return self._process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def shutdown(self, timeout_s: float) -> None:
+        self.send(("shutdown",))
+        try:
+            self._process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        with self._send_lock:
+            self._closed = True
+            self._conn.close()
 
 
 # ---- the process ---------------------------------------------------------------------------------
