@@ -9,7 +9,7 @@ from contracts.checks import is_int, is_number
 BATCHING_MODES = ("continuous", "static")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 
 @dataclass(slots=True)

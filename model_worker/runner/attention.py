@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-ATTENTION_BACKEND_NAMES = ("auto", "torch", "flash_attn")
+ATTENTION_BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
 
 
 @dataclass(slots=True)
@@ -305,13 +305,25 @@ def flash_attn_available() -> bool:
 FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """"auto": flash-attn on CUDA in half precision when it imports, else torch."""
+def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
+                             block_size: int) -> AttentionBackend:
+    """"auto" on CUDA: flash-attn where it reads the paged cache in place (half precision, a block
+    size that is a multiple of 256), else our Triton kernels, else flash-attn gathering K/V, else
+    torch. On CPU: torch (Triton runs on CPU only under its interpreter, for tests)."""
+    from model_worker.runner import triton_attention
+
     if name not in ATTENTION_BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_NAMES)}; got {name!r}")
     if name == "auto":
-        usable = device.type == "cuda" and dtype in FLASH_ATTN_DTYPES and flash_attn_available()
-        name = "flash_attn" if usable else "torch"
+        flash = device.type == "cuda" and dtype in FLASH_ATTN_DTYPES and flash_attn_available()
+        if flash and block_size % FlashAttentionBackend.PAGED_BLOCK_MULTIPLE == 0:
+            name = "flash_attn"
+        elif device.type == "cuda" and triton_attention.triton_available():
+            name = "triton"
+        else:
+            name = "flash_attn" if flash else "torch"
+    if name == "triton":
+        return triton_attention.TritonAttentionBackend(device)
     if name == "flash_attn":
         if device.type != "cuda":
             raise ValueError("attention_backend 'flash_attn' needs a CUDA device")

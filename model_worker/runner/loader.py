@@ -47,6 +47,17 @@ def load_checkpoint(model: str | None, device: torch.device, dtype: torch.dtype)
     return Checkpoint(path=path, hf_config=hf_config, spec=spec, weights=weights)
 
 
+def checkpoint_from_state_dict(path: str, hf_config: Any, state_dict: dict[str, torch.Tensor],
+                               device: torch.device, dtype: torch.dtype) -> Checkpoint:
+    """A Checkpoint from tensors already in memory (a transformers model's state_dict), named and
+    shaped as in a safetensors checkpoint; `path` is where the tokenizer and generation config are
+    read from. The GPU check builds a model of a large shape on the GPU this way, without writing
+    its weights to disk."""
+    spec = DecoderSpec.from_hf_config(hf_config)
+    weights = _read_weights(_DictReader(path, state_dict, device, dtype), spec)
+    return Checkpoint(path=path, hf_config=hf_config, spec=spec, weights=weights)
+
+
 def load_eos_token_ids(path: str, hf_config: Any, tokenizer: Any | None) -> list[int]:
     """EOS ids from generation_config.json, else config.json, else the tokenizer."""
     eos: Any = None
@@ -82,6 +93,31 @@ def _tensor_files(path: str) -> dict[str, str]:
     return names
 
 
+class _DictReader:
+    """Reads named tensors from a dict, converted to device and dtype, with _TensorReader's checks."""
+
+    def __init__(self, path: str, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> None:
+        self.path = path
+        self.tensors = tensors
+        self.device = device
+        self.dtype = dtype
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ValueError(f"checkpoint {self.path} is missing tensor {name!r}")
+        return _checked(name, self.tensors[name], shape, self.device, self.dtype)
+
+
+def _checked(name: str, tensor: torch.Tensor, shape: tuple[int, ...], device: torch.device,
+             dtype: torch.dtype) -> torch.Tensor:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+    return tensor.to(device=device, dtype=dtype)
+
+
 class _TensorReader:
     """Reads named tensors from memory-mapped safetensors files, converted to device and dtype."""
 
@@ -101,26 +137,26 @@ class _TensorReader:
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self.files:
             raise ValueError(f"checkpoint {self.path} is missing tensor {name!r}")
-        tensor = self.handles[self.files[name]].get_tensor(name)
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
-        return tensor.to(device=self.device, dtype=self.dtype)
+        return _checked(name, self.handles[self.files[name]].get_tensor(name), shape, self.device, self.dtype)
 
 
 def load_weights(path: str, spec: DecoderSpec, device: torch.device, dtype: torch.dtype) -> DecoderWeights:
     with ExitStack() as stack:
-        reader = _TensorReader(path, stack, device, dtype)
-        embed = reader.get("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))
-        layers = [_load_layer(reader, spec, i) for i in range(spec.num_layers)]
-        norm = reader.get("model.norm.weight", (spec.hidden_size,))
-        if spec.tie_word_embeddings:
-            lm_head = embed
-        else:
-            lm_head = reader.get("lm_head.weight", (spec.vocab_size, spec.hidden_size))
+        return _read_weights(_TensorReader(path, stack, device, dtype), spec)
+
+
+def _read_weights(reader: _TensorReader | _DictReader, spec: DecoderSpec) -> DecoderWeights:
+    embed = reader.get("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))
+    layers = [_load_layer(reader, spec, i) for i in range(spec.num_layers)]
+    norm = reader.get("model.norm.weight", (spec.hidden_size,))
+    if spec.tie_word_embeddings:
+        lm_head = embed
+    else:
+        lm_head = reader.get("lm_head.weight", (spec.vocab_size, spec.hidden_size))
     return DecoderWeights(embed_tokens=embed, layers=layers, norm=norm, lm_head=lm_head)
 
 
-def _load_layer(reader: _TensorReader, spec: DecoderSpec, index: int) -> LayerWeights:
+def _load_layer(reader: _TensorReader | _DictReader, spec: DecoderSpec, index: int) -> LayerWeights:
     prefix = f"model.layers.{index}."
     hidden, q_size, kv_size = spec.hidden_size, spec.q_size, spec.kv_size
     qkv = torch.cat([reader.get(prefix + "self_attn.q_proj.weight", (q_size, hidden)),

@@ -21,7 +21,7 @@ from model_worker.cpu_features import has_native_bf16
 from model_worker.models import load_tokenizer
 from model_worker.runner.attention import StepLayout, create_attention_backend
 from model_worker.runner.llama import LlamaDecoder
-from model_worker.runner.loader import load_checkpoint, load_eos_token_ids
+from model_worker.runner.loader import Checkpoint, load_checkpoint, load_eos_token_ids
 from model_worker.runner.sampler import Sampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,7 +46,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class TorchModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+        """`checkpoint`: weights already loaded (loader.checkpoint_from_state_dict) instead of
+        config.model's; they must be on the runner's device and in its dtype."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -56,7 +58,8 @@ class TorchModelRunner:
         # Seconds each part of loading took: what a new replica waits for before serving.
         self.load_times_s: dict[str, float] = {}
         started_s = time.perf_counter()
-        checkpoint = load_checkpoint(model, self.device, self.dtype)
+        if checkpoint is None:
+            checkpoint = load_checkpoint(model, self.device, self.dtype)
         self.load_times_s["weights"] = time.perf_counter() - started_s
         self.model_path = checkpoint.path
         self.spec = checkpoint.spec
@@ -68,7 +71,7 @@ class TorchModelRunner:
         self.eos_token_ids = load_eos_token_ids(checkpoint.path, checkpoint.hf_config, self.tokenizer)
         self.max_model_len = self._resolve_max_model_len(config.max_model_len)
         self.block_size = config.block_size
-        self.attention = create_attention_backend(config.attention_backend, self.device, self.dtype)
+        self.attention = create_attention_backend(config.attention_backend, self.device, self.dtype, config.block_size)
         self.model = LlamaDecoder(self.spec, checkpoint.weights, self.attention, self.max_model_len)
         self.sampler = Sampler(self.device, config.seed)
         # Cumulative seconds: the model forward (attention included), and all of execute().

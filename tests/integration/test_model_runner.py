@@ -305,6 +305,33 @@ def test_flash_attn_backend_logic_matches_torch_backend(tiny_model_dir, prompt, 
                                    torch_runner.compute_logits(batch, all_tokens=True), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_triton_backend_matches_transformers_and_torch_backend(tiny_model_dir, prompt, block_size):
+    """The whole model through our Triton kernels (interpreted on CPU): transformers' logits at every
+    position, chunked prefill over the paged cache, and mixed decode steps as the torch backend."""
+    from model_worker.runner import triton_attention
+
+    if not (triton_attention.triton_available() and (triton_attention.interpreting() or torch.cuda.is_available())):
+        pytest.skip("needs triton, and a GPU or TRITON_INTERPRET=1")
+    triton_runner = make_runner(tiny_model_dir, num_kv_blocks=64, block_size=block_size, attention_backend="triton")
+    torch_runner = make_runner(tiny_model_dir, num_kv_blocks=64, block_size=block_size)
+    assert triton_runner.attention.name == "triton"
+    per_seq = -(-80 // block_size)
+    table = list(range(per_seq))
+    chunks = [triton_runner.compute_logits(step(seq("a", prompt[i:i + 13], i, table)), all_tokens=True)
+              for i in range(0, len(prompt), 13)]
+    torch.testing.assert_close(torch.cat(chunks), hf_logits(tiny_model_dir, prompt), atol=ATOL, rtol=0)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(1, 4)]
+    steps = [
+        step(seq("a", prompt[:20], 0, tables[0]), seq("b", prompt[5:9], 0, tables[1])),
+        step(seq("b", [7], 4, tables[1]), seq("a", prompt[20:], 20, tables[0]), seq("c", prompt[:1], 0, tables[2])),
+        step(seq("c", [9], 1, tables[2]), seq("a", [11], len(prompt), tables[0]), seq("b", [3], 5, tables[1])),
+    ]
+    for batch in steps:
+        torch.testing.assert_close(triton_runner.compute_logits(batch, all_tokens=True),
+                                   torch_runner.compute_logits(batch, all_tokens=True), atol=ATOL, rtol=0)
+
+
 def test_decode_groups_cut_padding_and_keep_every_row():
     from model_worker.runner.attention import split_decode_groups
 
