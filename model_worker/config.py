@@ -47,7 +47,13 @@ class EngineConfig:
     # "auto": bfloat16 on CUDA and on a CPU with native bf16 (avx512_bf16, AMX, Arm BF16), float32 on
     # other CPUs, where bf16 is emulated and slower (model_worker/cpu_features.py).
     dtype: str = "auto"
+    # "auto": on CUDA, flash-attn where it reads the paged cache in place (block_size a multiple of
+    # 256), else our Triton kernels; torch on CPU.
     attention_backend: str = "auto"
+    # CUDA only: run every step eagerly. Otherwise decode-only steps of up to cuda_graph_max_batch
+    # sequences replay CUDA graphs captured at load (with the Triton attention backend).
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 256
     # Seed for requests without their own seed.
     seed: int = 0
     # Torch intra-op threads on CPU; None uses every core (Ray sets OMP_NUM_THREADS=1 in actors).
@@ -73,6 +79,7 @@ class EngineConfig:
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("stats_window", self.stats_window)
+        _positive_int("cuda_graph_max_batch", self.cuda_graph_max_batch)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         if self.num_threads is not None:
@@ -87,6 +94,8 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if not isinstance(self.engine_process, bool):
             raise ValueError(f"engine_process must be a bool, got {self.engine_process!r}")
         if not isinstance(self.enable_prefix_caching, bool):

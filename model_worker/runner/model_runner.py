@@ -7,22 +7,26 @@ sequence whose `sample` flag is set.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
-from contracts.sampling import SamplingParams
 from model_worker.batch import ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig
 from model_worker.cpu_features import has_native_bf16
 from model_worker.models import load_tokenizer
 from model_worker.runner.attention import StepLayout, create_attention_backend
+from model_worker.runner.cuda_graphs import DecodeGraphs, cuda_graph_api
 from model_worker.runner.llama import LlamaDecoder
 from model_worker.runner.loader import Checkpoint, load_checkpoint, load_eos_token_ids
+from model_worker.runner.memory_plan import graph_batch_for, kv_budget_bytes, profile_steps
 from model_worker.runner.sampler import Sampler
+from model_worker.runner.uploader import Uploader
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,6 +78,14 @@ class TorchModelRunner:
         self.attention = create_attention_backend(config.attention_backend, self.device, self.dtype, config.block_size)
         self.model = LlamaDecoder(self.spec, checkpoint.weights, self.attention, self.max_model_len)
         self.sampler = Sampler(self.device, config.seed)
+        # Step inputs go to the device in one asynchronous copy (model_worker/runner/uploader.py).
+        self.uploader = Uploader(self.device)
+        # Decode-only steps replay these on CUDA (model_worker/runner/cuda_graphs.py); set at load.
+        self.graphs: DecodeGraphs | None = None
+        # On CUDA: what sized the KV cache (bytes), from the profile of the worst steps.
+        self.memory_plan: dict[str, int] = {}
+        # CUDA events around the last forward, read once the step's sync has passed them.
+        self._forward_events: tuple[Any, Any] | None = None
         # Cumulative seconds: the model forward (attention included), and all of execute().
         self.forward_time_s = 0.0
         self.execute_time_s = 0.0
@@ -81,6 +93,10 @@ class TorchModelRunner:
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_kv_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
         self.load_times_s["kv_cache"] = time.perf_counter() - started_s
+        if self._uses_graphs():
+            started_s = time.perf_counter()
+            self._capture_graphs()
+            self.load_times_s["cuda_graphs"] = time.perf_counter() - started_s
 
     def _resolve_max_model_len(self, requested: int | None) -> int:
         spec = self.spec
@@ -120,40 +136,58 @@ class TorchModelRunner:
             raise ValueError(f"no memory left for the KV cache with {source}")
         return num_blocks
 
+    def _uses_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.attention.name == "triton"
+
+    def _graph_batch(self) -> int:
+        config = self.config
+        return graph_batch_for(config.max_num_seqs, config.max_num_batched_tokens, config.cuda_graph_max_batch)
+
     def _cuda_kv_budget_bytes(self) -> float:
-        """Total memory * utilization, minus the weights and the peak activations of a full step."""
+        """Total memory * utilization, less the weights, the peak of the worst step and the CUDA
+        graphs (model_worker/runner/memory_plan.py); every figure goes in self.memory_plan."""
         torch.cuda.synchronize(self.device)
         free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
         weights_bytes = torch.cuda.memory_allocated(self.device)
-        activation_peak_bytes = self._profile_activation_peak()
-        budget = total_bytes * self.config.gpu_memory_utilization - weights_bytes - activation_peak_bytes
-        # Other processes on the GPU: never plan for more than is actually free.
-        return min(budget, free_bytes - activation_peak_bytes)
+        peaks = self._profile_step_peaks()
+        graph_bytes = peaks.pop("graph_decode_batch", 0)
+        step_peak = max(peaks.values())
+        budget = kv_budget_bytes(total_bytes, free_bytes, self.config.gpu_memory_utilization, weights_bytes,
+                                 step_peak, graph_bytes)
+        self.memory_plan.update(total_bytes=total_bytes, free_bytes=free_bytes, weights_bytes=weights_bytes,
+                                step_peak_bytes=step_peak, graph_bytes_estimate=graph_bytes, kv_budget_bytes=budget,
+                                **{f"peak_{name}_bytes": peak for name, peak in peaks.items()})
+        return budget
 
-    def _profile_activation_peak(self) -> int:
-        """Peak extra memory of one forward + sampling over max_num_batched_tokens tokens."""
+    def _profile_step_peaks(self) -> dict[str, int]:
+        """Peak extra memory of each worst step (forward + sampling), over a KV cache of one context."""
         config = self.config
-        num_tokens = config.max_num_batched_tokens
-        num_seqs = max(1, min(config.max_num_seqs, num_tokens))
-        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-        lens = [min(n, self.max_model_len) for n in lens if n > 0]
-        blocks_per_seq = [-(-n // self.block_size) for n in lens]
-        self.kv_caches = self._allocate_kv_cache(sum(blocks_per_seq))
-        first_block = list(itertools.accumulate([0] + blocks_per_seq))
-        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
-        sequences = [ScheduledSequence(request_id=f"profile-{i}", token_ids=[0] * n, start_position=0,
-                                       block_table=list(range(first_block[i], first_block[i] + blocks_per_seq[i])),
-                                       sample=True, sampling_params=params) for i, n in enumerate(lens)]
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        baseline = torch.cuda.memory_allocated(self.device)
-        self.execute(SchedulerOutput(sequences=sequences, num_scheduled_tokens=sum(lens)))
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        steps, num_blocks = profile_steps(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                          self.block_size, self._graph_batch() if self._uses_graphs() else None)
+        self.kv_caches = self._allocate_kv_cache(num_blocks)
+        peaks = {}
+        for profile in steps:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            baseline = torch.cuda.memory_allocated(self.device)
+            self.execute(profile.batch)
+            torch.cuda.synchronize(self.device)
+            peaks[profile.name] = torch.cuda.max_memory_allocated(self.device) - baseline
         self.kv_caches = []
         self.forward_time_s = self.execute_time_s = 0.0
         torch.cuda.empty_cache()
-        return peak
+        return peaks
+
+    def _capture_graphs(self) -> None:
+        torch.cuda.synchronize(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        self.graphs = DecodeGraphs(self.model.forward, self.kv_caches, self.device, self._graph_batch(),
+                                   -(-self.max_model_len // self.block_size), cuda_graph_api())
+        with torch.inference_mode():
+            self.graphs.capture_all()
+        torch.cuda.synchronize(self.device)
+        self.memory_plan["graph_bytes_measured"] = torch.cuda.memory_reserved(self.device) - reserved
+        self.forward_time_s = self.execute_time_s = 0.0
 
     def execute(self, batch: SchedulerOutput) -> list[int]:
         """One forward over every scheduled token; one sampled token per sequence with sample=True."""
@@ -178,16 +212,36 @@ class TorchModelRunner:
             return self._forward(batch.sequences, all_tokens)
 
     def _forward(self, sequences: list[ScheduledSequence], all_tokens: bool) -> torch.Tensor:
-        input_ids, positions, layout, logits_indices = self._prepare_inputs(sequences)
+        token_ids, positions, layout, logits_indices = self._prepare_inputs(sequences)
         if all_tokens:
-            logits_indices = torch.arange(input_ids.shape[0], device=self.device)
+            logits_indices = np.arange(len(token_ids), dtype=np.int64)
+        graphs = self.graphs
+        if graphs is not None and not all_tokens and graphs.can_run(layout, len(logits_indices) == len(sequences)):
+            with self._timed_forward():
+                return graphs.run(token_ids, positions, layout)
+        input_ids, positions, logits_indices = self.uploader([token_ids, positions, logits_indices])
         metadata = self.attention.prepare(layout, self.device)
-        forward_start_s = time.perf_counter()
-        logits = self.model.forward(input_ids, positions, self.kv_caches, metadata, logits_indices)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.forward_time_s += time.perf_counter() - forward_start_s
-        return logits
+        with self._timed_forward():
+            return self.model.forward(input_ids, positions, self.kv_caches, metadata, logits_indices)
+
+    @contextlib.contextmanager
+    def _timed_forward(self):
+        """Adds the forward's time to forward_time_s. On CUDA it is timed with events and read one
+        forward later, after the step's own sync, so timing adds no sync of its own."""
+        if self.device.type != "cuda":
+            started_s = time.perf_counter()
+            yield
+            self.forward_time_s += time.perf_counter() - started_s
+            return
+        if self._forward_events is not None:
+            start, end = self._forward_events
+            end.synchronize()  # passed already: the previous step read its tokens back
+            self.forward_time_s += start.elapsed_time(end) / 1000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self._forward_events = (start, end)
 
     def _prepare_inputs(self, sequences: list[ScheduledSequence]):
         num_seqs = len(sequences)
@@ -217,9 +271,7 @@ class TorchModelRunner:
         layout = StepLayout(query_lens=query_lens, start_positions=start_positions, context_lens=context_lens,
                             query_starts=query_starts, block_tables=block_tables, slot_mapping=slot_mapping,
                             block_size=self.block_size)
-        device = self.device
-        return (torch.from_numpy(token_ids).to(device), torch.from_numpy(positions).to(device), layout,
-                torch.from_numpy(logits_indices).to(device))
+        return token_ids, positions, layout, logits_indices
 
     def _check_ids(self, token_ids: np.ndarray, block_tables: np.ndarray) -> None:
         # Out-of-range ids fail with a device-side assert on CUDA; name the culprit here instead.

@@ -26,8 +26,13 @@ def row_seed(seed: int, output_index: int) -> int:
 
 
 class Sampler:
+    """On CUDA it never waits for the GPU before the caller reads the token ids: per-row settings go
+    up from pinned memory without blocking, and top-p takes a full sort rather than a branch on the
+    data (which would need a sync)."""
+
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
+        self._cuda = device.type == "cuda"
         # Noise for unseeded rows; seeded once, so a fresh runner replays the same stream.
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -45,24 +50,31 @@ class Sampler:
         noise = self._exponential_noise(probs.shape, params, output_indices)
         sampled = (probs / noise).argmax(dim=-1)
         if any(greedy):
-            greedy_rows = torch.tensor(greedy, device=logits.device)
+            greedy_rows = self._tensor(greedy, torch.bool)
             sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
         return sampled.tolist()
 
     def _filtered_probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        device = logits.device
         # Greedy rows get temperature 1 here; their result is replaced by the argmax.
-        temperatures = torch.tensor([p.temperature or 1.0 for p in params], device=device, dtype=torch.float32)
+        temperatures = self._tensor([p.temperature or 1.0 for p in params], torch.float32)
         logits = logits / temperatures.unsqueeze(1)
         vocab_size = logits.shape[1]
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
         if any(top_ks):
-            logits = _apply_top_k(logits, top_ks)
+            logits = _apply_top_k(logits, top_ks, self._tensor(top_ks, torch.int64))
         probs = logits.softmax(dim=-1)
         top_ps = [p.top_p for p in params]
         if any(p < 1.0 for p in top_ps):
-            probs = _apply_top_p(probs, top_ps)
+            top_p = self._tensor(top_ps, probs.dtype).unsqueeze(1)
+            probs = _apply_top_p_sorted(probs, top_p) if self._cuda else _apply_top_p(probs, top_p)
         return probs
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """Per-row values on the device; on CUDA through pinned memory, without a host sync."""
+        tensor = torch.tensor(values, dtype=dtype)
+        if self._cuda:
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
 
     def _exponential_noise(self, shape: torch.Size, params: Sequence[SamplingParams],
                            output_indices: Sequence[int]) -> torch.Tensor:
@@ -84,22 +96,21 @@ TOP_P_CANDIDATES = 256
 TOP_P_BISECTION_STEPS = 32
 
 
-def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
-    """Keep each row's top_k largest logits (0 = keep all); ties with the k-th value are kept."""
+def _apply_top_k(logits: torch.Tensor, top_ks: list[int], ks: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k largest logits (0 = keep all); ties with the k-th value are kept.
+    ks: top_ks on the logits' device."""
     top_values = logits.topk(max(top_ks), dim=-1).values  # sorted, descending
-    ks = torch.tensor(top_ks, device=logits.device)
     kth = top_values.gather(1, (ks.clamp(min=1) - 1).unsqueeze(1))
     kth = kth.masked_fill((ks == 0).unsqueeze(1), float("-inf"))
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p, renormalised.
+def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (N, 1), renormalised.
 
     A token is dropped when the mass strictly before it already reaches top_p; the top token is
     always kept. Each row's cut-off depends on that row alone, never on the rest of the batch.
     """
-    top_p = torch.tensor(top_ps, device=probs.device, dtype=probs.dtype).unsqueeze(1)
     num_candidates = min(probs.shape[1], TOP_P_CANDIDATES)
     top_probs = probs.topk(num_candidates, dim=-1).values  # sorted, descending
     keep = (top_probs.cumsum(dim=-1) - top_probs) < top_p
@@ -111,6 +122,17 @@ def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     if wide.any():
         rows = wide.nonzero().squeeze(1)
         threshold[rows] = _bisect_top_p_threshold(probs[rows], top_p[rows])
+    filtered = probs.masked_fill(probs < threshold, 0.0)
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def _apply_top_p_sorted(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """_apply_top_p's cut-off from a full sort of every row: no branch on the data, so no host
+    sync, and a sort of the vocabulary is cheap on a GPU (it is the slow way on CPU)."""
+    sorted_probs = probs.sort(dim=-1, descending=True).values
+    keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p
+    keep[:, 0] = True
+    threshold = sorted_probs.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
     filtered = probs.masked_fill(probs < threshold, 0.0)
     return filtered / filtered.sum(dim=-1, keepdim=True)
 

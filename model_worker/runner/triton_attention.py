@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from model_worker.runner.attention import AttentionBackend, StepLayout
+from model_worker.runner.uploader import Uploader
 
 try:
     import triton
@@ -155,18 +156,20 @@ if triton is not None:
 class TileLaunch:
     """One kernel launch: (sequence, first query token) per program, and the tile's shape."""
 
-    tile_seqs: torch.Tensor  # (tiles,) int32
-    tile_offsets: torch.Tensor  # (tiles,) int32
+    tile_seqs: torch.Tensor  # (tiles,) int64
+    tile_offsets: torch.Tensor  # (tiles,) int64
     block_q: int
 
 
 @dataclass(slots=True)
 class TritonAttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,) int64, -1 for tokens that write no K/V
-    block_tables: torch.Tensor  # (S, max_blocks) int32
-    query_starts: torch.Tensor  # (S + 1,) int32
-    start_positions: torch.Tensor  # (S,) int32
-    context_lens: torch.Tensor  # (S,) int32
+    """Every field int64 on the device."""
+
+    slot_mapping: torch.Tensor  # (T,), -1 for tokens that write no K/V
+    block_tables: torch.Tensor  # (S, max_blocks)
+    query_starts: torch.Tensor  # (S + 1,)
+    start_positions: torch.Tensor  # (S,)
+    context_lens: torch.Tensor  # (S,)
     launches: list[TileLaunch]
 
 
@@ -176,7 +179,7 @@ def build_tiles(query_lens: np.ndarray, block_q: int) -> tuple[np.ndarray, np.nd
     seqs = np.repeat(np.arange(len(query_lens)), tiles_per_seq)
     first_tile = np.cumsum(tiles_per_seq) - tiles_per_seq
     offsets = (np.arange(len(seqs)) - np.repeat(first_tile, tiles_per_seq)) * block_q
-    return seqs.astype(np.int32), offsets.astype(np.int32)
+    return seqs, offsets.astype(np.int64)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -190,25 +193,25 @@ class TritonAttentionBackend(AttentionBackend):
         if device.type != "cuda" and not interpreting():
             raise ValueError("attention_backend 'triton' needs a CUDA device "
                              "(or TRITON_INTERPRET=1 on CPU, which is for tests: it is very slow)")
+        self.upload = Uploader(device)
 
     def prepare(self, layout: StepLayout, device: torch.device) -> TritonAttentionMetadata:
         query_lens = layout.query_lens
-        launches = []
-        decode_rows = np.flatnonzero(query_lens == 1).astype(np.int32)
-        if len(decode_rows):
-            launches.append(TileLaunch(torch.from_numpy(decode_rows).to(device),
-                                       torch.zeros(len(decode_rows), dtype=torch.int32, device=device), 1))
+        decode_rows = np.flatnonzero(query_lens == 1)
         prefill_rows = np.flatnonzero(query_lens > 1)
+        prefill_seqs, prefill_offsets = build_tiles(query_lens[prefill_rows], PREFILL_BLOCK_Q)
+        (slot_mapping, block_tables, query_starts, start_positions, context_lens, decode_seqs, prefill_seqs,
+         prefill_offsets) = self.upload([layout.slot_mapping, layout.block_tables, layout.query_starts,
+                                         layout.start_positions, layout.context_lens, decode_rows,
+                                         prefill_rows[prefill_seqs], prefill_offsets])
+        launches = []
+        if len(decode_rows):
+            launches.append(TileLaunch(decode_seqs, torch.zeros_like(decode_seqs), 1))
         if len(prefill_rows):
-            seqs, offsets = build_tiles(query_lens[prefill_rows], PREFILL_BLOCK_Q)
-            launches.append(TileLaunch(torch.from_numpy(prefill_rows[seqs].astype(np.int32)).to(device),
-                                       torch.from_numpy(offsets).to(device), PREFILL_BLOCK_Q))
-        as_int32 = lambda array: torch.from_numpy(array.astype(np.int32)).to(device)  # noqa: E731
-        return TritonAttentionMetadata(
-            slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
-            block_tables=as_int32(layout.block_tables), query_starts=as_int32(layout.query_starts),
-            start_positions=as_int32(layout.start_positions), context_lens=as_int32(layout.context_lens),
-            launches=launches)
+            launches.append(TileLaunch(prefill_seqs, prefill_offsets, PREFILL_BLOCK_Q))
+        return TritonAttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables,
+                                       query_starts=query_starts, start_positions=start_positions,
+                                       context_lens=context_lens, launches=launches)
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: TritonAttentionMetadata, scale):
         write_kv_triton(k, v, k_cache, v_cache, metadata.slot_mapping)

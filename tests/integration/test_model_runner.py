@@ -240,16 +240,18 @@ def test_tiny_model_path_is_idempotent(model_cache_dir, tiny_model_dir, monkeypa
     assert tiny_model.tiny_model_path(model_cache_dir) == tiny_model_dir
 
 
-def test_top_p_keeps_exactly_the_sorted_nucleus():
-    """The sort-free top-p (topk window, then bisection for flat rows) keeps the same tokens as the
-    textbook rule over a full sort."""
-    from model_worker.runner.sampler import _apply_top_p
+@pytest.mark.parametrize("path", ["cpu", "cuda"])
+def test_top_p_keeps_exactly_the_sorted_nucleus(path):
+    """The sort-free top-p of CPU (topk window, then bisection for flat rows) and the sync-free
+    full sort of CUDA keep the same tokens as the textbook rule over a full sort."""
+    from model_worker.runner.sampler import _apply_top_p, _apply_top_p_sorted
 
+    apply = _apply_top_p if path == "cpu" else _apply_top_p_sorted
     generator = torch.Generator().manual_seed(0)
     for scale in (0.3, 1.0, 3.0, 10.0):  # flat rows need bisection, peaked ones fit the window
         probs = (torch.randn(8, 3000, generator=generator) * scale).softmax(-1)
         top_ps = [0.3, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0]
-        kept = _apply_top_p(probs, top_ps) > 0
+        kept = apply(probs, torch.tensor(top_ps).unsqueeze(1)) > 0
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.double().cumsum(-1) - sorted_probs.double()
         limit = torch.tensor(top_ps, dtype=torch.float64).unsqueeze(1)
@@ -332,6 +334,86 @@ def test_triton_backend_matches_transformers_and_torch_backend(tiny_model_dir, p
                                    torch_runner.compute_logits(batch, all_tokens=True), atol=ATOL, rtol=0)
 
 
+class _ReplayByRerun:
+    """A stand-in for torch.cuda.CUDAGraph on CPU: replay runs the captured forward again into the
+    captured output. Like a real graph it sees only the static buffers it was captured over, so a
+    step whose inputs were not copied into them gives wrong tokens here too."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        self.out.copy_(self.fn())
+
+
+def _rerun_graph_api():
+    from model_worker.runner.cuda_graphs import GraphAPI
+
+    def capture(fn, pool):
+        out = fn()
+        return _ReplayByRerun(fn, out), out
+
+    return GraphAPI(capture=capture, new_pool=lambda: None)
+
+
+def test_decode_graph_path_matches_eager(tiny_model_dir, prompt):
+    """Decode steps of 1, 3 and 5 sequences (padded to graphs of 1, 4 and 8) through the static
+    buffers give the eager runner's tokens, and padded rows write no K/V; prefill and mixed steps
+    run eagerly."""
+    from model_worker.runner import triton_attention
+    from model_worker.runner.cuda_graphs import DecodeGraphs
+
+    if not (triton_attention.triton_available() and triton_attention.interpreting()):
+        pytest.skip("needs triton under TRITON_INTERPRET=1")
+    graphed = make_runner(tiny_model_dir, num_kv_blocks=64, attention_backend="triton")
+    eager = make_runner(tiny_model_dir, num_kv_blocks=64, attention_backend="triton")
+    graphed.graphs = DecodeGraphs(graphed.model.forward, graphed.kv_caches, graphed.device, 8,
+                                  -(-graphed.max_model_len // graphed.block_size), _rerun_graph_api())
+    graphed.graphs.capture_all()
+    assert sorted(graphed.graphs.graphs) == [1, 2, 4, 8]
+    assert all(torch.count_nonzero(k) == 0 for k, _ in graphed.kv_caches), "padding wrote K/V at capture"
+    prompts = [prompt[:9 + 3 * i] for i in range(5)]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(5)]
+    for runner in (graphed, eager):  # prefill: eager in both
+        runner.tokens = runner.execute(step(*[seq(f"r{i}", p, 0, tables[i]) for i, p in enumerate(prompts)]))
+    assert graphed.graphs.num_replays == 0 and graphed.tokens == eager.tokens
+    outputs = {id(r): [list(r.tokens)] for r in (graphed, eager)}
+    for index, rows in enumerate([[0], [0, 1, 2], [0, 1, 2, 3, 4], [2, 4]]):
+        for runner in (graphed, eager):
+            last = outputs[id(runner)][-1]
+            batch = step(*[seq(f"r{i}", [last[i]], len(prompts[i]) + index, tables[i], output_index=index + 1)
+                           for i in rows])
+            new = list(last)
+            for i, token in zip(rows, runner.execute(batch)):
+                new[i] = token
+            outputs[id(runner)].append(new)
+    assert outputs[id(graphed)] == outputs[id(eager)]
+    assert graphed.graphs.num_replays == 4
+    # Same K/V in the same slots (a padded batch's matmuls may round differently in the last
+    # bit), and nothing anywhere else: padded rows wrote nothing.
+    for (k_graph, v_graph), (k_eager, v_eager) in zip(graphed.kv_caches, eager.kv_caches):
+        torch.testing.assert_close(k_graph, k_eager, atol=ATOL, rtol=0)
+        torch.testing.assert_close(v_graph, v_eager, atol=ATOL, rtol=0)
+        assert torch.equal(k_graph == 0, k_eager == 0), "padded rows wrote K/V"
+    # A decode with a prefill beside it runs eagerly.
+    mixed = step(seq("r0", [1], 40, tables[0]), seq("new", prompt[:5], 0, [30]))
+    graphed.execute(mixed)
+    assert graphed.graphs.num_replays == 4
+
+
+def test_profile_steps_run_on_the_runner(tiny_model_dir):
+    """The worst steps the GPU's KV cache is sized from are steps the runner accepts."""
+    from model_worker.runner.memory_plan import profile_steps
+
+    runner = make_runner(tiny_model_dir, num_kv_blocks=8, max_model_len=100)
+    steps, num_blocks = profile_steps(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=runner.max_model_len,
+                                      block_size=runner.block_size, graph_batch=8)
+    runner.kv_caches = runner._allocate_kv_cache(num_blocks)
+    for profile in steps:
+        tokens = runner.execute(profile.batch)
+        assert len(tokens) == len(profile.batch.sequences)
+
+
 def test_decode_groups_cut_padding_and_keep_every_row():
     from model_worker.runner.attention import split_decode_groups
 
@@ -344,13 +426,15 @@ def test_decode_groups_cut_padding_and_keep_every_row():
     assert split_decode_groups(np.array([5] * 64)) == [(0, 64)], "equal lengths need no split"
 
 
-def test_top_p_that_rounds_to_zero_keeps_the_top_token():
+@pytest.mark.parametrize("path", ["cpu", "cuda"])
+def test_top_p_that_rounds_to_zero_keeps_the_top_token(path):
     """Regression: with top_p 0 in float32 no token passed the cut and the threshold's gather
     indexed -1 (IndexError in the engine thread)."""
-    from model_worker.runner.sampler import _apply_top_p
+    from model_worker.runner.sampler import _apply_top_p, _apply_top_p_sorted
 
+    apply = _apply_top_p if path == "cpu" else _apply_top_p_sorted
     probs = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.25, 0.25]])
-    kept = _apply_top_p(probs, [1e-300, 0.0]) > 0
+    kept = apply(probs, torch.tensor([1e-300, 0.0]).unsqueeze(1)) > 0
     assert kept.tolist() == [[False, True, False], [True, False, False]]
 
 
