@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -45,6 +45,10 @@ class HFContinuousOptions:
     max_batch_tokens: int = 512
     # Most requests in one step.
     max_requests_per_batch: int = 32
+    # CUDA graphs and asynchronous batching: off (nothing to gain on a CPU); None lets transformers
+    # decide, which is what a GPU run wants (loadtest/gpu_check.py).
+    use_cuda_graph: bool | None = False
+    use_async_batching: bool | None = False
 
 
 def load_hf_model(path: str, attn_implementation: str = "sdpa", num_threads: int = 2,
@@ -88,6 +92,7 @@ def generate_static_batch(model: torch.nn.Module, batch: list[BenchRequest], pad
     output and EOS off, so every row runs the same number of steps. Returns (first token time,
     generated ids (batch, max_new_tokens))."""
     input_ids, attention_mask = _left_padded([r.prompt_token_ids for r in batch], pad_id)
+    input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
     max_new = max(r.output_tokens for r in batch)
     streamer = _FirstTokenStreamer(clock)
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
@@ -126,10 +131,15 @@ def run_hf_generate(model: torch.nn.Module, workload: list[BenchRequest], batch_
 
 
 def _cb_config(options: HFContinuousOptions) -> ContinuousBatchingConfig:
-    return ContinuousBatchingConfig(
-        page_size=options.page_size, num_blocks=options.num_blocks, max_batch_tokens=options.max_batch_tokens,
+    known = {f.name for f in fields(ContinuousBatchingConfig)}
+    given = dict(
+        num_blocks=options.num_blocks, max_batch_tokens=options.max_batch_tokens,
         max_requests_per_batch=options.max_requests_per_batch, allow_block_sharing=False,
-        auto_switch_to_flash=False, use_cuda_graph=False, use_async_batching=False, seed=0)
+        auto_switch_to_flash=False, use_cuda_graph=options.use_cuda_graph,
+        use_async_batching=options.use_async_batching, seed=0)
+    # transformers up to 5.17 names the page size block_size and has no auto_switch_to_flash.
+    given["page_size" if "page_size" in known else "block_size"] = options.page_size
+    return ContinuousBatchingConfig(**{name: value for name, value in given.items() if name in known})
 
 
 @torch.inference_mode()
