@@ -170,3 +170,62 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setattr(triton_attention, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         create_attention_backend("triton", cpu, torch.float32, 16)
+
+
+# Compiled for a Hopper GPU (sm_90, the H100 and H200) with the ptxas that ships inside the triton
+# wheel: no GPU needed. The interpreter above checks what the kernels compute; this checks that
+# the GPU compiler takes them, for the shapes the engine launches. It runs in a fresh process,
+# since kernels defined under TRITON_INTERPRET=1 cannot be compiled.
+_COMPILE_SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from model_worker.runner import triton_attention as ta
+
+def signature(kernel, dtype):
+    tensors = {"out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "k_ptr", "v_ptr"}
+    return {name: ("*" + dtype if name in tensors else "*i64") if name.endswith("_ptr")
+            else "fp32" if name == "scale" else "constexpr" if name.isupper() else "i64"
+            for name in kernel.arg_names}
+
+variants = json.loads(sys.argv[1])
+out = {}
+for name, dtype, consts in variants:
+    kernel = getattr(ta, name)
+    compiled = triton.compile(ASTSource(kernel, signature(kernel, dtype), consts), target=GPUTarget("cuda", 90, 32))
+    out[f"{name}/{dtype}/{consts}"] = {"shared": compiled.metadata.shared, "cubin": len(compiled.asm["cubin"])}
+print(json.dumps(out))
+"""
+
+
+def test_kernels_compile_for_hopper():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from model_worker.runner.triton_attention import BLOCK_N, PREFILL_BLOCK_Q, _next_pow2
+
+    def attention(group, head_dim, block_q, fp32_dot, cache_block=16):
+        """The constants paged_attention() launches with."""
+        return dict(CACHE_BLOCK=cache_block, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, head_dim),
+                    BLOCK_Q=block_q, BLOCK_M=max(16, _next_pow2(block_q * group)), BLOCK_N=BLOCK_N,
+                    FP32_DOT=fp32_dot)
+
+    variants = [
+        ("_paged_attention_kernel", "bf16", attention(4, 128, 1, False)),  # Llama-3-8B decode
+        ("_paged_attention_kernel", "bf16", attention(4, 128, PREFILL_BLOCK_Q, False)),  # and its prefill tiles
+        ("_paged_attention_kernel", "bf16", attention(3, 64, PREFILL_BLOCK_Q, False, cache_block=5)),  # SmolLM2
+        ("_paged_attention_kernel", "fp32", attention(3, 64, 1, True)),  # float32: exact products
+        ("_write_kv_kernel", "bf16", dict(ROW=1024, ROW_PADDED=1024)),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(variants)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(compiled) == len(variants)
+    # An H100/H200 block has 227 KiB of shared memory at most.
+    assert all(0 < entry["cubin"] and entry["shared"] <= 227 * 1024 for entry in compiled.values()), compiled
