@@ -295,16 +295,22 @@ def test_flash_attn_backend_logic_matches_torch_backend(tiny_model_dir, prompt, 
     fake_flash = FlashAttentionBackend.__new__(FlashAttentionBackend)
     fake_flash._varlen = _reference_varlen
     flash_runner.attention = flash_runner.model.attention = fake_flash
+    assert_same_logits_over_mixed_steps(flash_runner, torch_runner, prompt, block_size, first_block=0)
+
+
+def assert_same_logits_over_mixed_steps(runner, reference, prompt, block_size, first_block):
+    """Three steps mixing fresh prompts, a chunk over a paged context and decodes: every token's
+    logits from `runner` equal `reference`'s."""
     per_seq = -(-80 // block_size)
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(3)]
+    tables = [list(range((first_block + i) * per_seq, (first_block + i + 1) * per_seq)) for i in range(3)]
     steps = [
         step(seq("a", prompt[:20], 0, tables[0]), seq("b", prompt[5:9], 0, tables[1])),
         step(seq("b", [7], 4, tables[1]), seq("a", prompt[20:], 20, tables[0]), seq("c", prompt[:1], 0, tables[2])),
         step(seq("c", [9], 1, tables[2]), seq("a", [11], len(prompt), tables[0]), seq("b", [3], 5, tables[1])),
     ]
     for batch in steps:
-        torch.testing.assert_close(flash_runner.compute_logits(batch, all_tokens=True),
-                                   torch_runner.compute_logits(batch, all_tokens=True), atol=ATOL, rtol=0)
+        torch.testing.assert_close(runner.compute_logits(batch, all_tokens=True),
+                                   reference.compute_logits(batch, all_tokens=True), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("block_size", [16, 5])
@@ -323,15 +329,7 @@ def test_triton_backend_matches_transformers_and_torch_backend(tiny_model_dir, p
     chunks = [triton_runner.compute_logits(step(seq("a", prompt[i:i + 13], i, table)), all_tokens=True)
               for i in range(0, len(prompt), 13)]
     torch.testing.assert_close(torch.cat(chunks), hf_logits(tiny_model_dir, prompt), atol=ATOL, rtol=0)
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(1, 4)]
-    steps = [
-        step(seq("a", prompt[:20], 0, tables[0]), seq("b", prompt[5:9], 0, tables[1])),
-        step(seq("b", [7], 4, tables[1]), seq("a", prompt[20:], 20, tables[0]), seq("c", prompt[:1], 0, tables[2])),
-        step(seq("c", [9], 1, tables[2]), seq("a", [11], len(prompt), tables[0]), seq("b", [3], 5, tables[1])),
-    ]
-    for batch in steps:
-        torch.testing.assert_close(triton_runner.compute_logits(batch, all_tokens=True),
-                                   torch_runner.compute_logits(batch, all_tokens=True), atol=ATOL, rtol=0)
+    assert_same_logits_over_mixed_steps(triton_runner, torch_runner, prompt, block_size, first_block=1)
 
 
 class _ReplayByRerun:
