@@ -175,6 +175,7 @@ class TorchModelRunner:
             peaks[profile.name] = torch.cuda.max_memory_allocated(self.device) - baseline
         self.kv_caches = []
         self.forward_time_s = self.execute_time_s = 0.0
+        self._forward_events = None
         torch.cuda.empty_cache()
         return peaks
 
@@ -188,6 +189,7 @@ class TorchModelRunner:
         torch.cuda.synchronize(self.device)
         self.memory_plan["graph_bytes_measured"] = torch.cuda.memory_reserved(self.device) - reserved
         self.forward_time_s = self.execute_time_s = 0.0
+        self._forward_events = None
 
     def execute(self, batch: SchedulerOutput) -> list[int]:
         """One forward over every scheduled token; one sampled token per sequence with sample=True."""
