@@ -255,28 +255,31 @@ class FlashAttentionBackend(AttentionBackend):
     # flash-attn reads a paged cache directly only when its page size is a multiple of 256.
     PAGED_BLOCK_MULTIPLE = 256
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         from flash_attn import flash_attn_varlen_func
 
+        from model_worker.runner.uploader import Uploader
+
         self._varlen = flash_attn_varlen_func
+        self.upload = Uploader(device or torch.device("cuda"))
 
     def prepare(self, layout: StepLayout, device: torch.device) -> FlashAttentionMetadata:
-        cu_k = np.zeros(len(layout.context_lens) + 1, dtype=np.int32)
+        cu_k = np.zeros(len(layout.context_lens) + 1, dtype=np.int64)
         np.cumsum(layout.context_lens, out=cu_k[1:])
-        block_table = context_slots = None
-        if layout.block_size % self.PAGED_BLOCK_MULTIPLE == 0:
-            block_table = torch.from_numpy(layout.block_tables.astype(np.int32)).to(device)
+        paged = layout.block_size % self.PAGED_BLOCK_MULTIPLE == 0
+        if paged:
+            context = layout.block_tables
         else:
             max_context = int(layout.context_lens.max())
             slots = layout.slots_for_positions(np.arange(len(layout.context_lens)), max_context)
             valid = np.arange(max_context)[None, :] < layout.context_lens[:, None]
-            context_slots = torch.from_numpy(slots[valid]).to(device)  # row-major: sequence by sequence
+            context = slots[valid]  # row-major: sequence by sequence
+        # One asynchronous copy for the whole step; flash-attn takes int32 offsets and tables.
+        slot_mapping, cu_q, cu_k_tensor, context = self.upload([layout.slot_mapping, layout.query_starts, cu_k, context])
         return FlashAttentionMetadata(
-            slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
-            cu_seqlens_q=torch.from_numpy(layout.query_starts.astype(np.int32)).to(device),
-            cu_seqlens_k=torch.from_numpy(cu_k).to(device),
+            slot_mapping=slot_mapping, cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_k=cu_k_tensor.to(torch.int32),
             max_seqlen_q=int(layout.query_lens.max()), max_seqlen_k=int(layout.context_lens.max()),
-            block_table=block_table, context_slots=context_slots)
+            block_table=context.to(torch.int32) if paged else None, context_slots=None if paged else context)
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: FlashAttentionMetadata, scale):
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
@@ -331,5 +334,5 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
             raise ValueError(f"attention_backend 'flash_attn' needs float16 or bfloat16, not {dtype}")
         if not flash_attn_available():
             raise ValueError("attention_backend 'flash_attn' needs the flash-attn package (pip install flash-attn)")
-        return FlashAttentionBackend()
+        return FlashAttentionBackend(device)
     return TorchAttentionBackend()

@@ -292,8 +292,11 @@ def test_flash_attn_backend_logic_matches_torch_backend(tiny_model_dir, prompt, 
 
     torch_runner = make_runner(tiny_model_dir, num_kv_blocks=16, block_size=block_size)
     flash_runner = make_runner(tiny_model_dir, num_kv_blocks=16, block_size=block_size)
+    from model_worker.runner.uploader import Uploader
+
     fake_flash = FlashAttentionBackend.__new__(FlashAttentionBackend)
     fake_flash._varlen = _reference_varlen
+    fake_flash.upload = Uploader(torch.device("cpu"), pin=True)  # the packed copy path, on CPU
     flash_runner.attention = flash_runner.model.attention = fake_flash
     assert_same_logits_over_mixed_steps(flash_runner, torch_runner, prompt, block_size, first_block=0)
 
