@@ -21,6 +21,11 @@ DEMO_PROMPTS = [
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["simulate", "profile"]:  # a command of its own under simulate: measure and fit a step-time profile
+        from loadtest.sim import step_model
+
+        return step_model.main(argv[2:])
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="offline generation demo: stream completions of a few prompts at once")
@@ -36,15 +41,19 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--seed", type=int, default=None)
     from iterserve import serve_cli
     from loadtest import bench_cli
+    from loadtest.sim import cli as sim_cli
 
     serve_cli.add_parser(sub)
     bench_cli.add_parser(sub)
+    sim_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
             return serve_cli.run(args)
         if args.command == "bench":
             return bench_cli.run(args)
+        if args.command == "simulate":
+            return sim_cli.run(args)
         if args.command == "demo":
             return asyncio.run(_demo(args))
         return asyncio.run(_generate(args))

@@ -36,6 +36,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="`model` to send (default: the server's)")
     p.add_argument("--tokenizer", default=None, help='tokenizer for prompt ids: a checkpoint or "tiny" (default: the embedded SmolLM2\'s)')
+    add_workload_arguments(p)
+    p.add_argument("--mode", choices=("open", "closed"), default="open")
+    p.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight")
+    p.add_argument("--slo-ttft", type=float, default=None, help="goodput: TTFT bound, seconds")
+    p.add_argument("--slo-tpot", type=float, default=None, help="goodput: TPOT bound, seconds")
+    p.add_argument("--max-duration", type=float, default=600.0, help="seconds per run before cutting off")
+    p.add_argument("--label", default="server", help="series name in the report")
+    p.add_argument("--out", type=Path, default=Path("bench_out"))
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload options, shared with `iterserve simulate` (loadtest/sim/cli.py)."""
     p.add_argument("--workload", choices=WORKLOADS, default="synthetic")
     p.add_argument("--num-requests", type=int, default=100, help="requests (conversations for multi-turn)")
     p.add_argument("--rate", default="4", help="req/s, or a comma list to sweep; 'inf' sends all at once")
@@ -52,14 +64,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     p.add_argument("--think-time", type=float, default=0.5, help="multi-turn: seconds between turns")
     p.add_argument("--batch-fraction", type=float, default=0.0, help="share of requests sent with priority batch")
-    p.add_argument("--mode", choices=("open", "closed"), default="open")
-    p.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight")
-    p.add_argument("--slo-ttft", type=float, default=None, help="goodput: TTFT bound, seconds")
-    p.add_argument("--slo-tpot", type=float, default=None, help="goodput: TPOT bound, seconds")
-    p.add_argument("--max-duration", type=float, default=600.0, help="seconds per run before cutting off")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--label", default="server", help="series name in the report")
-    p.add_argument("--out", type=Path, default=Path("bench_out"))
 
 
 def run(args: argparse.Namespace) -> int:

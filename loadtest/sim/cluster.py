@@ -1,0 +1,274 @@
+"""A simulated deployment: replicas, the request router, routing reports and the autoscaler.
+
+Every decision is made by our own code, unchanged:
+- routing: router.policy (the same policy objects PrefixAwareRouter uses) over ReplicaSnapshots
+  built as it builds them: load is the router's count of requests sent and not finished (Serve's
+  ongoing-request count), free KV blocks come from each replica's last report, and prefix hits from
+  router.prefix_index.PrefixIndex (reported hashes plus this router's own dispatches);
+- reports: each replica reports every routing_stats_period_s (Serve's poll), delivered
+  report_delay_s later: the router decides on reports that are that stale, as it does in Serve;
+- admission: autoscaler.admission per replica, as LLMServer admits (a refusal is a 503);
+- autoscaling: autoscaler.policy.decide every autoscale_period_s over the ready replicas' loads,
+  the replicas it asks for becoming ready replica_start_s later (imports and weight load), and
+  the ones it removes draining first (no new requests; gone when their last one ends).
+Only the forward (a step-time model, loadtest/sim/step_model.py) and the clock are replaced.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from autoscaler.admission import replica_policy
+from autoscaler.policy import AutoscalerConfig, AutoscalerState, decide
+from contracts.priority import Priority
+from loadtest.results import RequestResult
+from loadtest.sim.events import EventLoop
+from loadtest.sim.replica import ReplicaEvents, RoutingReportView, SimReplica, SimRequest
+from loadtest.traces import BenchRequest
+from model_worker.config import SchedulerConfig
+from model_worker.hashing import hash_prompt_blocks
+from router.policy import ReplicaSnapshot, RouterConfig, make_policy
+from router.prefix_index import PrefixIndex
+
+# Bytes of a report besides its hashes (ids, counts, framing), and per hash (a 64-bit int).
+REPORT_BASE_BYTES = 128
+REPORT_BYTES_PER_HASH = 8
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    # The engine's scheduler limits (SchedulerConfig's fields, from EngineConfig and the runner).
+    block_size: int = 16
+    num_kv_blocks: int = 4096
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+    # Replicas at the start (ready at time 0); with autoscaling, its first target.
+    num_replicas: int = 1
+    router: RouterConfig = field(default_factory=RouterConfig)
+    dispatch_ttl_s: float = 10.0
+    routing_stats_period_s: float = 1.0
+    report_delay_s: float = 0.0
+    # The `admission` app arg (autoscaler.admission.replica_policy's keywords).
+    admission: dict[str, Any] = field(default_factory=dict)
+    autoscaling: AutoscalerConfig | None = None
+    autoscale_period_s: float = 1.0
+    # Seconds from a replica being asked for to its first request: process start, imports, weights.
+    replica_start_s: float = 30.0
+    # Per-token chunk times in the results (ITL); off at scale, where they cost memory.
+    record_token_times: bool = True
+    seed: int = 0
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                               max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching)
+
+
+@dataclass(slots=True)
+class SimRun:
+    results: list[RequestResult]
+    duration_s: float
+    # Every routing_stats_period_s: t_s, num_waiting, num_running (all replicas), replicas (ready):
+    # the keys of `iterserve bench`'s timeline, so the report plots it the same way.
+    timeline: list[dict[str, float]]
+    # Each autoscaling decision: t_s, target, ready, starting, draining, pressure.
+    decisions: list[dict[str, float]]
+    counters: dict[str, float]
+
+
+class SimCluster:
+    def __init__(self, config: ClusterConfig, step_model: Any) -> None:
+        self.config = config
+        self.step_model = step_model
+        self.loop = EventLoop()
+        self.rng = random.Random(config.seed)
+        self.policy = make_policy(config.router, self.rng)
+        self.index = PrefixIndex(config.dispatch_ttl_s)
+        self.replicas: dict[str, SimReplica] = {}  # ready, taking requests
+        self.draining: dict[str, SimReplica] = {}
+        self.starting: dict[str, float] = {}  # replica id -> when it becomes ready
+        self._every_replica: list[SimReplica] = []  # for the run's counters, removed ones too
+        self._reports: dict[str, RoutingReportView] = {}
+        self._ongoing: dict[str, int] = defaultdict(int)
+        self._next_replica = 0
+        self._admission = replica_policy(**config.admission)
+        self._events = ReplicaEvents(on_first_token=self._first_token, on_done=self._done)
+        self._pending = 0
+        self._dependents: dict[str, list[BenchRequest]] = defaultdict(list)
+        self._results: list[RequestResult] = []
+        self._autoscaler_state = AutoscalerState()
+        self.target_replicas = config.num_replicas
+        self.timeline: list[dict[str, float]] = []
+        self.decisions: list[dict[str, float]] = []
+        self.counters: dict[str, float] = defaultdict(float)
+        for _ in range(config.num_replicas):
+            self._add_replica()
+
+    # ---- replicas ---------------------------------------------------------------------------
+
+    def _new_id(self) -> str:
+        self._next_replica += 1
+        return f"r{self._next_replica:04d}"
+
+    def _add_replica(self, replica_id: str | None = None) -> None:
+        replica_id = replica_id or self._new_id()
+        self.starting.pop(replica_id, None)
+        replica = SimReplica(replica_id, self.loop, self.config.scheduler_config(), self.step_model, self._admission,
+                             self._events, self.config.record_token_times)
+        self.replicas[replica_id] = replica
+        self._every_replica.append(replica)
+
+    def _start_replica(self) -> None:
+        replica_id = self._new_id()
+        self.starting[replica_id] = self.loop.now + self.config.replica_start_s
+        self.loop.after(self.config.replica_start_s, self._replica_ready, replica_id)
+
+    def _replica_ready(self, replica_id: str) -> None:
+        if replica_id in self.starting:  # not cancelled while it loaded
+            self._add_replica(replica_id)
+
+    def _remove_one(self) -> None:
+        """Cancel a replica still starting, else drain the least loaded ready one."""
+        if self.starting:
+            latest = max(self.starting, key=self.starting.__getitem__)
+            del self.starting[latest]
+            return
+        if len(self.replicas) <= 1:
+            return
+        replica_id = min(self.replicas, key=lambda rid: (self._ongoing[rid], rid))
+        replica = self.replicas.pop(replica_id)
+        self.index.retain(self.replicas)
+        self._reports.pop(replica_id, None)
+        if replica.num_unfinished:
+            self.draining[replica_id] = replica
+        self.counters["replicas_removed"] += 1
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def _submit(self, bench: BenchRequest) -> None:
+        result = RequestResult(bench.request_id, priority=bench.priority, arrival_s=self.loop.now, sent_s=self.loop.now,
+                               prompt_tokens=len(bench.prompt_token_ids))
+        self._results.append(result)
+        priority = Priority.BATCH if bench.priority == "batch" else Priority.INTERACTIVE
+        hashes = hash_prompt_blocks(bench.prompt_token_ids, self.config.block_size) if self._routes_on_prefix else []
+        request = SimRequest(bench, result, priority, hashes)
+        if not self.replicas:
+            result.status, result.error = 503, "no replica ready"
+            self._done(request)
+            return
+        replica_id = self._route(request)
+        request.replica_id = replica_id
+        self._ongoing[replica_id] += 1
+        self.replicas[replica_id].receive(request)
+
+    @property
+    def _routes_on_prefix(self) -> bool:
+        return self.config.router.policy == "prefix_aware"
+
+    def _route(self, request: SimRequest) -> str:
+        """PrefixAwareRouter.choose_replicas' decision, on this cluster's state."""
+        now = self.loop.now
+        snapshots = []
+        for replica_id in self.replicas:
+            report = self._reports.get(replica_id)
+            load = self._ongoing[replica_id]
+            if report is None:  # no report yet: capacity unknown, as the real router assumes
+                snapshots.append(ReplicaSnapshot(replica_id, load, 0, 0))
+            else:
+                snapshots.append(ReplicaSnapshot(replica_id, load, report.num_free_kv_blocks, report.num_total_kv_blocks))
+        hashes = request.block_hashes
+        hits = {rid: self.index.leading_hits(rid, hashes, now) for rid in self.replicas} if hashes else {}
+        bench = request.bench
+        blocks_needed = -(-(len(bench.prompt_token_ids) + bench.output_tokens) // self.config.block_size)
+        chosen = self.policy.choose(snapshots, hits, len(hashes), blocks_needed)
+        if hashes:
+            self.index.record_dispatch(chosen, hashes, now)
+        return chosen
+
+    def _first_token(self, request: SimRequest) -> None:
+        """Nothing routes on it yet; the hook is where a router's TTFT feedback would go."""
+
+    def _done(self, request: SimRequest) -> None:
+        if request.replica_id is not None:
+            self._ongoing[request.replica_id] -= 1
+            draining = self.draining.get(request.replica_id)
+            if draining is not None and not draining.num_unfinished:
+                del self.draining[request.replica_id]
+        self._pending -= 1
+        for follower in self._dependents.pop(request.bench.request_id, ()):
+            self.loop.after(follower.arrival_s, self._submit, follower)
+
+    # ---- periodic work ----------------------------------------------------------------------
+
+    def _report_all(self) -> None:
+        include_hashes = self._routes_on_prefix
+        delay = self.config.report_delay_s
+        live = list(self.replicas.values()) + list(self.draining.values())
+        self.timeline.append({"t_s": self.loop.now, "replicas": len(self.replicas),
+                              "num_waiting": sum(r.scheduler.num_waiting for r in live),
+                              "num_running": sum(r.scheduler.num_running for r in live)})
+        for replica in self.replicas.values():
+            report = replica.routing_report(include_hashes)
+            self.counters["reports"] += 1
+            self.counters["report_bytes"] += REPORT_BASE_BYTES + REPORT_BYTES_PER_HASH * len(report.cached_block_hashes)
+            if delay:
+                self.loop.after(delay, self._deliver, report)
+            else:
+                self._deliver(report)
+        if self._pending:
+            self.loop.after(self.config.routing_stats_period_s, self._report_all)
+
+    def _deliver(self, report: RoutingReportView) -> None:
+        if report.replica_id not in self.replicas:
+            return
+        self._reports[report.replica_id] = report
+        if self._routes_on_prefix:
+            self.index.update(report.replica_id, report.cached_block_hashes, self.loop.now)
+
+    def _autoscale(self) -> None:
+        config = self.config.autoscaling
+        loads = [replica.load_report() for replica in self.replicas.values()]
+        decision = decide(loads, self.target_replicas, self.loop.now, config, self._autoscaler_state)
+        self._autoscaler_state = decision.state
+        self.target_replicas = decision.num_replicas
+        while len(self.replicas) + len(self.starting) < self.target_replicas:
+            self._start_replica()
+        while len(self.replicas) + len(self.starting) > self.target_replicas and (self.starting or len(self.replicas) > 1):
+            self._remove_one()
+        self.decisions.append({"t_s": self.loop.now, "target": self.target_replicas, "ready": len(self.replicas),
+                              "starting": len(self.starting), "draining": len(self.draining),
+                              "pressure": decision.pressure})
+        if self._pending:
+            self.loop.after(self.config.autoscale_period_s, self._autoscale)
+
+    # ---- the run ----------------------------------------------------------------------------
+
+    def run(self, workload: list[BenchRequest], max_duration_s: float = math.inf) -> SimRun:
+        """Every request of the workload through the cluster; requests still open at
+        max_duration_s are reported unfinished (status 0), as the HTTP client cuts a run off."""
+        self._pending = len(workload)
+        for bench in workload:
+            if bench.after_id is not None:
+                self._dependents[bench.after_id].append(bench)
+            else:
+                self.loop.at(bench.arrival_s, self._submit, bench)
+        self.loop.at(0.0, self._report_all)
+        if self.config.autoscaling is not None:
+            self.loop.at(0.0, self._autoscale)
+        self.loop.run(until_s=max_duration_s, stop=lambda: self._pending <= 0)
+        counters = dict(self.counters)
+        everyone = self._every_replica
+        for name in ("steps", "busy_s", "tokens", "preemptions", "refused", "prompt_tokens", "cached_tokens"):
+            counters[name] = counters.get(name, 0.0) + sum(getattr(r.counters, name) for r in everyone)
+        counters["events"] = self.loop.num_events
+        by_id = {r.request_id: r for r in self._results}
+        results = [by_id.get(b.request_id) or RequestResult(b.request_id, priority=b.priority, arrival_s=b.arrival_s)
+                   for b in workload]
+        return SimRun(results=results, duration_s=self.loop.now, timeline=self.timeline, decisions=self.decisions,
+                      counters=counters)

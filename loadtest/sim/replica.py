@@ -1,0 +1,175 @@
+"""One simulated LLMServer replica: our real Scheduler (with its block pool and prefix cache) and
+our real per-replica admission, with the model forward replaced by a step-time model.
+
+The step loop is the engine's (model_worker/engine.py, LLMEngine.step): schedule, run, update,
+take the finished ones. "Run" is a wait of predict(batch) simulated seconds, and every sampled
+token is the same id (requests ignore EOS and end at their length, as in every benchmark here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from autoscaler.admission import AdmissionController, AdmissionPolicy, Ticket
+from autoscaler.policy import ReplicaLoad
+from contracts.priority import Priority
+from contracts.sampling import SamplingParams
+from contracts.serving import RequestTimings
+from loadtest.results import RequestResult
+from loadtest.sim.events import EventLoop
+from loadtest.traces import BenchRequest
+from model_worker.batch import SchedulerOutput
+from model_worker.config import SchedulerConfig
+from model_worker.request import Request
+from model_worker.scheduler import make_scheduler
+
+# The token every simulated step samples: any id works, since requests ignore EOS.
+SAMPLED_TOKEN = 1
+
+
+@dataclass(slots=True)
+class SimRequest:
+    bench: BenchRequest
+    result: RequestResult
+    priority: Priority
+    block_hashes: list[int]
+    replica_id: str | None = None
+    ticket: Ticket | None = None
+
+
+@dataclass(slots=True)
+class ReplicaCounters:
+    steps: int = 0
+    busy_s: float = 0.0
+    tokens: int = 0
+    preemptions: int = 0
+    refused: int = 0
+    # Prompt tokens asked for and served from the prefix cache, at first admission.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ReplicaEvents:
+    """What a replica tells the cluster: a request's first token, its end (ok or refused)."""
+
+    on_first_token: Callable[[SimRequest], None]
+    on_done: Callable[[SimRequest], None]
+
+
+@dataclass(slots=True)
+class RoutingReportView:
+    """What a replica's routing report carries (contracts.RoutingReport's fields that route)."""
+
+    replica_id: str
+    report_seq: int
+    load: int
+    num_free_kv_blocks: int
+    num_total_kv_blocks: int
+    cached_block_hashes: frozenset[int] = field(default_factory=frozenset)
+
+
+class SimReplica:
+    def __init__(self, replica_id: str, loop: EventLoop, scheduler_config: SchedulerConfig, step_model: Any,
+                 admission_policy: AdmissionPolicy, events: ReplicaEvents, record_token_times: bool = True) -> None:
+        self.replica_id = replica_id
+        self.loop = loop
+        self.config = scheduler_config
+        self.scheduler = make_scheduler(scheduler_config, eos_token_ids=(), clock=loop.clock)
+        self.step_model = step_model
+        self.admission = AdmissionController(admission_policy, loop.clock)
+        self.events = events
+        self.record_token_times = record_token_times
+        self.counters = ReplicaCounters()
+        self.stepping = False
+        self._requests: dict[str, SimRequest] = {}
+        self._report_seq = 0
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def receive(self, request: SimRequest) -> None:
+        """A routed request: admitted (queued in the scheduler) or refused with a 503, as
+        LLMServer.generate does."""
+        verdict, ticket = self.admission.admit(request.priority)
+        if ticket is None:
+            self.counters.refused += 1
+            request.result.status = 503
+            request.result.error = f"overloaded: {verdict.reason}"
+            self.events.on_done(request)
+            return
+        request.ticket = ticket
+        bench = request.bench
+        params = SamplingParams(temperature=0.0, max_tokens=bench.output_tokens, ignore_eos=True)
+        self.scheduler.add_request(Request(request_id=bench.request_id, prompt_token_ids=list(bench.prompt_token_ids),
+                                           sampling_params=params, priority=request.priority,
+                                           timings=RequestTimings(arrival_s=self.loop.now)))
+        self._requests[bench.request_id] = request
+        if not self.stepping:
+            self._step()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    # ---- the step loop ----------------------------------------------------------------------
+
+    def _step(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            self.stepping = False
+            return
+        self.stepping = True
+        duration_s = self.step_model.predict(batch)
+        self.counters.busy_s += duration_s
+        self.loop.after(duration_s, self._step_done, batch)
+
+    def _step_done(self, batch: SchedulerOutput) -> None:
+        scheduler = self.scheduler
+        progressed = scheduler.update(batch, [SAMPLED_TOKEN] * batch.num_sampling)
+        counters = self.counters
+        counters.steps += 1
+        counters.tokens += len(progressed)
+        now = self.loop.now
+        for request in progressed:
+            sim = self._requests[request.request_id]
+            result = sim.result
+            if result.first_token_s is None:
+                result.first_token_s = now
+                counters.prompt_tokens += request.num_prompt_tokens
+                counters.cached_tokens += max(request.num_cached_tokens, 0)
+                if sim.ticket is not None:
+                    sim.ticket.first_token()
+                self.events.on_first_token(sim)
+            if self.record_token_times:
+                result.chunk_times_s.append(now)
+        for request in scheduler.take_finished():
+            sim = self._requests.pop(request.request_id)
+            result = sim.result
+            result.status, result.finish_s = 200, now
+            result.output_tokens = request.num_output_tokens
+            counters.preemptions += request.num_preemptions
+            if sim.ticket is not None:
+                sim.ticket.done()
+            self.events.on_done(sim)
+        self._step()
+
+    # ---- reports ----------------------------------------------------------------------------
+
+    def routing_report(self, include_hashes: bool = True) -> RoutingReportView:
+        """What LLMServer.record_routing_stats reports: load, free KV blocks and every block hash
+        the prefix cache holds."""
+        self._report_seq += 1
+        kv = self.scheduler.kv
+        hashes = frozenset(kv.pool.cached_hashes()) if include_hashes else frozenset()
+        return RoutingReportView(self.replica_id, self._report_seq, self.scheduler.num_waiting + self.scheduler.num_running,
+                                 kv.num_free_blocks, self.config.num_kv_blocks, hashes)
+
+    def load_report(self) -> ReplicaLoad:
+        """What LLMServer.record_autoscaling_stats reports to the autoscaling policy."""
+        queue = self.admission.queue_stats()
+        return ReplicaLoad(replica_id=self.replica_id, num_waiting_first_token=int(queue["num_waiting_first_token"]),
+                           num_running=self.scheduler.num_running, ttft_p90_s=queue.get("ttft_p90_s"),
+                           oldest_wait_s=queue["oldest_wait_s"], kv_usage=self.scheduler.kv.usage,
+                           num_seats=self.config.max_num_seqs)
