@@ -43,8 +43,18 @@ class EngineStats:
     ttft_p50_s: float | None
     ttft_p90_s: float | None
     ttft_p99_s: float | None
-    # Every block hash the prefix cache holds, when asked for (stats(include_block_hashes=True)).
+    # The prefix cache's change counter (BlockPool.cache_seq) as of this snapshot.
+    cache_seq: int = 0
+    # Every block hash the prefix cache holds, when asked for (stats(include_block_hashes=True)),
+    # unless the changes since an earlier cache_seq were asked for and could be given (below).
     cached_block_hashes: tuple[int, ...] | None = None
+    # With stats(include_block_hashes=True, block_hashes_since=SEQ): SEQ, and the hashes that
+    # entered (stored) and left (removed) the prefix cache after change SEQ, by where they are
+    # now (BlockPool.changes_since). None when not asked, or when the pool's log no longer reaches
+    # SEQ (a gap): cached_block_hashes then holds every hash instead.
+    block_hashes_since: int | None = None
+    stored_block_hashes: tuple[int, ...] | None = None
+    removed_block_hashes: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

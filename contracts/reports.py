@@ -38,13 +38,32 @@ class RoutingReport:
     num_total_kv_blocks: int = 0
     # Tokens per KV block: how a router turns prompt + max_tokens into blocks needed.
     block_size: int = 0
-    # Every block hash the replica's prefix cache holds.
+    # A full snapshot (delta_base_seq -1): every block hash the replica's prefix cache holds.
     cached_block_hashes: tuple[int, ...] = ()
+    # The prefix cache's change counter (BlockPool.cache_seq) this report brings a reader up to.
+    cache_seq: int = 0
+    # -1: a full snapshot, in cached_block_hashes. Otherwise a delta, valid for a reader whose
+    # set is that of any cache_seq from delta_base_seq to cache_seq: the hashes that entered or
+    # left the cache after delta_base_seq, by where they are at cache_seq (a hash that came and
+    # went is in removed). Applying it twice, or to a later set, changes nothing more.
+    delta_base_seq: int = -1
+    stored_block_hashes: tuple[int, ...] = ()
+    removed_block_hashes: tuple[int, ...] = ()
+
+    @property
+    def is_snapshot(self) -> bool:
+        return self.delta_base_seq < 0
+
+    @property
+    def num_hashes(self) -> int:
+        """Hashes the report carries: what its size grows with."""
+        return len(self.cached_block_hashes) + len(self.stored_block_hashes) + len(self.removed_block_hashes)
 
     def to_dict(self) -> dict[str, Any]:
         """The dict `record_routing_stats` returns (Serve passes it to routers as it is)."""
         out = dataclasses.asdict(self)
-        out["cached_block_hashes"] = list(self.cached_block_hashes)
+        for name in _HASH_FIELDS:
+            out[name] = list(getattr(self, name))
         return out
 
     @classmethod
@@ -58,10 +77,31 @@ class RoutingReport:
         if missing:
             raise ValueError(f"routing report without {sorted(missing)}: {sorted(stats)}")
         values = {k: v for k, v in stats.items() if k in names}
-        values["cached_block_hashes"] = tuple(values.get("cached_block_hashes", ()))
+        for name in _HASH_FIELDS:
+            hashes = values.get(name, ())
+            if not isinstance(hashes, (list, tuple)) or not all(type(h) is int for h in hashes):
+                raise ValueError(f"routing report field {name} must be a list of ints")
+            values[name] = tuple(hashes)
         report = cls(**values)
         _check_types(report)
+        _check_cache_fields(report)
         return report
+
+
+# The report's hash lists: lists in the dict, tuples in the type.
+_HASH_FIELDS = ("cached_block_hashes", "stored_block_hashes", "removed_block_hashes")
+
+
+def _check_cache_fields(report: RoutingReport) -> None:
+    """A snapshot carries no changes and a delta no snapshot, and a delta's base precedes it."""
+    if report.delta_base_seq < -1 or report.cache_seq < 0:
+        raise ValueError(f"routing report with cache_seq {report.cache_seq} and delta_base_seq "
+                         f"{report.delta_base_seq}: cache_seq must be >= 0 and delta_base_seq >= -1")
+    if report.is_snapshot and (report.stored_block_hashes or report.removed_block_hashes):
+        raise ValueError("a full routing report (delta_base_seq -1) cannot carry stored or removed hashes")
+    if not report.is_snapshot and (report.cached_block_hashes or report.delta_base_seq > report.cache_seq):
+        raise ValueError(f"a delta routing report (base {report.delta_base_seq}, cache_seq {report.cache_seq}) "
+                         "must carry no cached_block_hashes and a base <= its cache_seq")
 
 
 @dataclass(slots=True, frozen=True)

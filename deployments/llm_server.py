@@ -8,11 +8,13 @@ new work with a 429 once too many admitted requests are still waiting for their 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -20,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from autoscaler.admission import REPLICA_TTFT_WINDOW_S, AdmissionController, Ticket, replica_policy
-from contracts import LoadReport, RoutingReport
+from contracts import LoadReport
 from contracts.engine_stats import EngineStats
 from contracts.priority import Priority
 from contracts.sampling import SamplingParams, SamplingParamsError
@@ -32,6 +34,7 @@ from model_worker.async_engine import AsyncLLMEngine, EngineDeadError, RequestFa
 from model_worker.config import EngineConfig
 from model_worker.models import served_name
 from model_worker.scheduler import RequestRejected
+from router.report_builder import RoutingReportBuilder
 
 # A stream with no output for this long gets a keep-alive chunk, so the ingress can tell a request
 # that waits (queued, or a long prefill) from a replica that is frozen or gone.
@@ -87,7 +90,11 @@ class LLMServer:
             eos_token_ids=list(engine.eos_token_ids),
             created=int(time.time()),
         )
-        self._report_seq = 0
+        # Routing reports as prefix-cache deltas, a snapshot now and then (router/report_builder.py).
+        self.routing_reports = RoutingReportBuilder()
+        # One report at a time, each built against the ones before it (the controller starts a new
+        # call when one times out, while the old one may still be running).
+        self._routing_report_lock = asyncio.Lock()
         self.keepalive_interval_s = keepalive_interval_s
         self.engine_stall_s = engine_stall_s
         self.engine_hung_s = engine_hung_s
@@ -243,17 +250,20 @@ class LLMServer:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """The RoutingReport for the request routers, polled by the Serve controller: load, free
-        KV blocks and every block hash the prefix cache holds; `report_seq` tells a new report."""
-        self._report_seq += 1
-        if not self.engine.is_running:  # routers stop choosing it at once, before Serve replaces it
-            return RoutingReport(self.replica_id, self._report_seq, engine_running=False).to_dict()
-        stats = await self.engine.stats(include_block_hashes=True)
-        return RoutingReport(
-            replica_id=self.replica_id, report_seq=self._report_seq, engine_running=True,
-            num_queued=stats.num_waiting, num_running=stats.num_running,
-            num_free_kv_blocks=stats.num_free_kv_blocks, num_total_kv_blocks=stats.num_total_kv_blocks,
-            block_size=stats.block_size, cached_block_hashes=tuple(stats.cached_block_hashes),
-        ).to_dict()
+        KV blocks and the prefix cache's changes since a few reports back (now and then, or
+        after a gap in the engine's change log, every hash it holds); `report_seq` tells a new
+        report."""
+        async with self._routing_report_lock:
+            builder = self.routing_reports
+            if not self.engine.is_running:  # routers stop choosing it at once, before Serve replaces it
+                return builder.stopped(self.replica_id).to_dict()
+            stats = await self.engine.stats(include_block_hashes=True, block_hashes_since=builder.next_base())
+            return builder.build(
+                self.replica_id, cache_seq=stats.cache_seq, changes_since=partial(_changes_in, stats),
+                snapshot=partial(_snapshot_in, stats), num_queued=stats.num_waiting, num_running=stats.num_running,
+                num_free_kv_blocks=stats.num_free_kv_blocks, num_total_kv_blocks=stats.num_total_kv_blocks,
+                block_size=stats.block_size,
+            ).to_dict()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The LoadReport the autoscaler (autoscaler/serve_policy.py) scales on: the queue
@@ -306,6 +316,19 @@ async def _next_output(stream: RequestStream, timeout_s: float) -> GenerationChu
         raise
     except Exception as exc:
         raise internal(f"generation failed: {type(exc).__name__}: {exc}") from None
+
+
+def _changes_in(stats: EngineStats, since: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The prefix-cache changes since `since` that the engine sent, or None (it sent a snapshot)."""
+    if stats.block_hashes_since != since or stats.stored_block_hashes is None or stats.removed_block_hashes is None:
+        return None
+    return stats.stored_block_hashes, stats.removed_block_hashes
+
+
+def _snapshot_in(stats: EngineStats) -> tuple[int, ...]:
+    if stats.cached_block_hashes is None:
+        raise RuntimeError("the engine sent changes, not the snapshot the routing report needs")
+    return stats.cached_block_hashes
 
 
 def _engine_config(model: str | None, engine_args: dict[str, Any] | None) -> EngineConfig:

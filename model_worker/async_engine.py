@@ -303,9 +303,9 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
-    async def stats(self, include_block_hashes: bool = False) -> EngineStats:
-        """A consistent snapshot, taken by the engine core between two steps."""
-        return await self._call("stats", include_block_hashes)
+    async def stats(self, include_block_hashes: bool = False, block_hashes_since: int | None = None) -> EngineStats:
+        """A consistent snapshot, taken by the engine core between two steps (LLMEngine.stats)."""
+        return await self._call("stats", include_block_hashes, block_hashes_since)
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, applied between steps; False (and nothing done) while a

@@ -23,6 +23,7 @@ from contracts.engine_stats import EngineStats
 from contracts.sampling import SamplingParams
 from contracts.serving import GenerationChunk, RequestTimings
 from model_worker.batch import ModelRunner, ScheduledSequence, SchedulerOutput
+from model_worker.block_pool import BlockPool
 from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.fault_isolation import IsolatedStep, execute_isolating
 from model_worker.output_processor import OutputProcessor
@@ -315,7 +316,10 @@ class LLMEngine:
 
     # ---- observation --------------------------------------------------------------------------
 
-    def stats(self, include_block_hashes: bool = False) -> EngineStats:
+    def stats(self, include_block_hashes: bool = False, block_hashes_since: int | None = None) -> EngineStats:
+        """The engine's state now. include_block_hashes: every hash the prefix cache holds; with
+        block_hashes_since too, only the changes since that cache_seq when the pool still has them
+        (EngineStats.block_hashes_since says which came)."""
         scheduler = self.scheduler
         pool = scheduler.kv.pool
         queries = scheduler.prefix_query_tokens
@@ -343,8 +347,22 @@ class LLMEngine:
             forward_time_s=self.runner.forward_time_s,
             execute_time_s=self.runner.execute_time_s,
             **self._rolling.ttft_percentiles(),
-            cached_block_hashes=tuple(pool.cached_hashes()) if include_block_hashes else None,
+            cache_seq=pool.cache_seq,
+            **_block_hash_fields(pool, include_block_hashes, block_hashes_since),
         )
+
+
+def _block_hash_fields(pool: BlockPool, include_block_hashes: bool, since: int | None) -> dict[str, Any]:
+    """EngineStats' hash fields: none, the changes since `since`, or (a gap, or no `since`) all."""
+    if not include_block_hashes:
+        if since is not None:
+            raise ValueError("block_hashes_since needs include_block_hashes=True")
+        return {}
+    changes = pool.changes_since(since) if since is not None else None
+    if changes is None:
+        return {"cached_block_hashes": tuple(pool.cached_hashes())}
+    stored, removed = changes
+    return {"block_hashes_since": since, "stored_block_hashes": tuple(stored), "removed_block_hashes": tuple(removed)}
 
 
 def _build_runner(config: EngineConfig) -> tuple[EngineConfig, ModelRunner]:

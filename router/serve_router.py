@@ -7,7 +7,9 @@ RPC and no `ray.get` on the request path. Inputs, freshest first:
 - Serve's per-replica count of ongoing requests, updated as this router sends and as requests
   finish (the load term);
 - each replica's `record_routing_stats` report, polled by the Serve controller every
-  `request_routing_stats_period_s` (free KV blocks and the prefix cache's hash set);
+  `request_routing_stats_period_s` (free KV blocks, and the prefix cache's changes since a few
+  reports back or now and then all its hashes: router/report_builder.py), folded into the
+  PrefixIndex as Serve delivers it (`update_replicas`) and when a decision reads it;
 - this router's own dispatches, recorded in the PrefixIndex at once.
 Selected with `router: {policy: ...}` in the application args (deployments/app_config.py).
 """
@@ -44,7 +46,7 @@ class PrefixAwareRouter(RequestRouter):
         # replica id -> the `report_seq` of its last report folded into the index.
         self._report_seq: dict[str, int] = {}
         # replica id -> (the routing_stats dict Serve last gave, its RoutingReport): a report is
-        # parsed once when it arrives, not at every decision (it carries every cached hash).
+        # parsed once when it arrives, not at every decision (a snapshot carries every cached hash).
         self._parsed: dict[str, tuple[Any, RoutingReport | None]] = {}
         # Seconds per decision, for the overhead figure in docs/architecture.md.
         self.decision_times_s: deque[float] = deque(maxlen=10_000)
@@ -78,6 +80,19 @@ class PrefixAwareRouter(RequestRouter):
         rest = [by_id[rid] for rid in eligible if rid != chosen]
         return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new replica set, sent whenever a replica's routing stats change: each new
+        report is folded in now, so that a router with no requests for a while still applies
+        every delta (a delta covers only a few periods; past that the replica waits for its next
+        snapshot). A report that does not parse is left for the next decision to raise."""
+        super().update_replicas(replicas)
+        now_s = time.monotonic()
+        for replica in replicas:
+            try:
+                self._report_of(replica.replica_id.unique_id, replica, now_s)
+            except ValueError:
+                pass
+
     def on_send_request(self, replica_id: Any) -> None:
         """Serve counts the request against the replica from now on: stop counting it here."""
         super().on_send_request(replica_id)
@@ -104,7 +119,7 @@ class PrefixAwareRouter(RequestRouter):
         self._parsed[replica_id] = (stats, report)
         if report is not None and self._report_seq.get(replica_id) != report.report_seq:
             self._report_seq[replica_id] = report.report_seq
-            self.index.update(replica_id, report.cached_block_hashes, now_s)
+            self.index.apply_report(replica_id, report, now_s)
         return report
 
     def _snapshot(self, replica_id: str, replica: RunningReplica, now_s: float) -> ReplicaSnapshot:

@@ -101,8 +101,14 @@ def test_stats_and_prefix_reset_are_answered_by_the_core(engine):
     async def main():
         stats = await engine.stats(include_block_hashes=True)
         assert stats.num_total_kv_blocks == 256 and isinstance(stats.cached_block_hashes, tuple)
+        # The changes since a cache_seq cross from the core process instead of every hash.
+        delta = await engine.stats(include_block_hashes=True, block_hashes_since=stats.cache_seq)
+        assert delta.block_hashes_since == stats.cache_seq and delta.cached_block_hashes is None
+        assert delta.stored_block_hashes == delta.removed_block_hashes == ()
         assert await engine.reset_prefix_cache() is True
         assert (await engine.stats()).num_cached_kv_blocks == 0
+        gap = await engine.stats(include_block_hashes=True, block_hashes_since=stats.cache_seq)
+        assert gap.block_hashes_since is None and gap.cached_block_hashes == ()
 
     asyncio.run(main())
 

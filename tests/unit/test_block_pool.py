@@ -76,3 +76,98 @@ def test_hashes_are_stable_across_processes():
     assert len(outs) == 1
     assert outs.pop().strip() == str(hash_prompt_blocks(list(range(64)), 16, "k"))
 
+
+
+# ---- the prefix cache's change log (routing reports send what changed: router/report_builder.py)
+
+def cached_pool(num_blocks: int = 4, **kwargs) -> tuple[BlockPool, list]:
+    """A pool whose blocks each hold a cached hash 100 + i, all freed (idle, evictable) in order."""
+    pool = BlockPool(num_blocks, **kwargs)
+    blocks = pool.allocate(num_blocks)
+    for i, block in enumerate(blocks):
+        pool.cache(block, 100 + i, [i])
+    pool.free(blocks)
+    return pool, blocks
+
+
+def as_sets(changes) -> tuple[set[int], set[int]]:
+    stored, removed = changes
+    return set(stored), set(removed)
+
+
+def test_every_hash_entering_the_cache_is_a_change():
+    pool, _ = cached_pool()
+    assert pool.cache_seq == 4
+    assert as_sets(pool.changes_since(0)) == ({100, 101, 102, 103}, set())
+    assert as_sets(pool.changes_since(2)) == ({102, 103}, set())
+    assert pool.changes_since(4) == ([], [])
+    (block,) = pool.allocate(1)  # evicts 100 (head of the free queue)
+    pool.cache(block, 101, [9])  # 101 is cached in another block: the first keeps it, no change
+    assert pool.cache_seq == 5 and as_sets(pool.changes_since(4)) == (set(), {100})
+
+
+def test_a_hash_leaves_on_reallocation_and_on_uncache():
+    pool, blocks = cached_pool()
+    pool.allocate(2)  # reallocates the blocks of 100 and 101
+    assert as_sets(pool.changes_since(4)) == (set(), {100, 101})
+    pool.touch([blocks[2]])
+    pool.uncache(blocks[2].block_id)  # a failed step wrote it
+    pool.uncache(blocks[2].block_id)  # twice: nothing more leaves
+    assert pool.cache_seq == 7 and as_sets(pool.changes_since(4)) == (set(), {100, 101, 102})
+    assert set(pool.cached_hashes()) == {103}
+
+
+def test_changes_are_netted_by_where_each_hash_is_now():
+    pool, _ = cached_pool(2)
+    base = pool.cache_seq
+    (block,) = pool.allocate(1)  # 100 leaves ...
+    pool.cache(block, 100, [0])  # ... and comes back: stored, not removed
+    pool.cache(pool.allocate(1)[0], 555, [5])  # 101 leaves, 555 enters ...
+    pool.uncache(next(b.block_id for b in pool.blocks if b.block_hash == 555))  # ... and 555 leaves
+    stored, removed = as_sets(pool.changes_since(base))
+    # 555 came and went: listed as removed, so that a reader who saw it come sees it go too.
+    assert stored == {100} and removed == {101, 555}
+    # Applied to the cached set as of ANY seq from the base on, the changes give the set now.
+    truth = set(pool.cached_hashes())
+    assert ({100, 101} - removed) | stored == truth
+    assert ({100, 555} - removed) | stored == truth  # the set just before 555 left
+
+
+def test_a_reader_further_back_than_the_log_gets_a_gap():
+    pool, _ = cached_pool(4, cache_event_capacity=3)
+    assert pool.cache_seq == 4
+    assert pool.changes_since(0) is None, "the first change fell off the log"
+    assert as_sets(pool.changes_since(1)) == ({101, 102, 103}, set())
+    assert pool.changes_since(5) is None and pool.changes_since(-1) is None, "a seq the pool never reached"
+    pool.reset_prefix_cache()
+    assert pool.cache_seq == 5 and pool.num_cached_blocks == 0
+    assert pool.changes_since(4) is None, "a reset is a gap: the reader takes a snapshot"
+    assert pool.changes_since(5) == ([], [])
+    with pytest.raises(ValueError):
+        BlockPool(4, cache_event_capacity=-1)
+
+
+def test_cache_seq_only_grows_and_the_log_replays_to_the_real_set():
+    import random
+
+    rng = random.Random(3)
+    pool = BlockPool(8, cache_event_capacity=1_000_000)
+    snapshots = {0: set()}
+    held: list = []
+    for _ in range(2000):
+        before = pool.cache_seq
+        op = rng.random()
+        if op < 0.4 and pool.num_free_blocks:
+            held.extend(pool.allocate(1))
+        elif op < 0.7 and held:
+            pool.cache(rng.choice(held), rng.randrange(30), [0])
+        elif op < 0.95 and held:
+            pool.free([held.pop(rng.randrange(len(held)))])
+        elif held:
+            pool.uncache(rng.choice(held).block_id)
+        assert pool.cache_seq >= before
+        snapshots[pool.cache_seq] = set(pool.cached_hashes())
+    now = set(pool.cached_hashes())
+    for seq, then in snapshots.items():
+        stored, removed = as_sets(pool.changes_since(seq))
+        assert (then - removed) | stored == now, seq

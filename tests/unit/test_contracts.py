@@ -33,6 +33,35 @@ def test_a_malformed_routing_report_is_a_clear_error():
         RoutingReport.from_dict({"replica_id": "r", "report_seq": True})
 
 
+def test_a_delta_report_survives_the_round_trip_and_an_old_style_report_is_a_snapshot():
+    delta = RoutingReport("r0", 8, num_free_kv_blocks=10, cache_seq=40, delta_base_seq=31,
+                          stored_block_hashes=(7, 8), removed_block_hashes=(5,))
+    plain = delta.to_dict()
+    assert plain["stored_block_hashes"] == [7, 8] and plain["removed_block_hashes"] == [5]
+    assert all(type(v) in (str, int, bool, list) for v in plain.values())
+    parsed = RoutingReport.from_dict(plain)
+    assert parsed == delta and not parsed.is_snapshot and parsed.num_hashes == 3
+    # A replica from before deltas sends neither cache_seq nor a base: a full snapshot.
+    old = RoutingReport.from_dict({"replica_id": "r", "report_seq": 2, "cached_block_hashes": [1, 2]})
+    assert old.is_snapshot and old.cache_seq == 0 and old.cached_block_hashes == (1, 2)
+
+
+@pytest.mark.parametrize("fields, error", [
+    ({"stored_block_hashes": [1, "2"]}, "stored_block_hashes must be a list of ints"),
+    ({"removed_block_hashes": [True]}, "removed_block_hashes must be a list of ints"),
+    ({"cached_block_hashes": "123"}, "cached_block_hashes must be a list of ints"),
+    ({"cache_seq": 1.5}, "cache_seq must be an int"),
+    ({"delta_base_seq": False}, "delta_base_seq must be an int"),
+    ({"delta_base_seq": -2}, "delta_base_seq"),
+    ({"cache_seq": 3, "stored_block_hashes": [1]}, "full routing report.*cannot carry"),
+    ({"cache_seq": 3, "delta_base_seq": 1, "cached_block_hashes": [1]}, "must carry no cached_block_hashes"),
+    ({"cache_seq": 3, "delta_base_seq": 4}, "base <= its cache_seq"),
+])
+def test_a_routing_report_with_bad_cache_fields_is_refused(fields, error):
+    with pytest.raises(ValueError, match=error):
+        RoutingReport.from_dict({"replica_id": "r", "report_seq": 1, **fields})
+
+
 def test_fields_a_newer_replica_adds_are_ignored():
     report = RoutingReport.from_dict({"replica_id": "r", "report_seq": 1, "a_future_field": 1.5})
     assert report == RoutingReport("r", 1)
@@ -80,6 +109,32 @@ def test_engine_stats_are_typed_and_convert_to_a_plain_dict(make_engine):
     assert plain["cached_block_hashes"] == stats.cached_block_hashes
     assert len(stats.cached_block_hashes) == stats.num_cached_kv_blocks > 0
     assert engine.stats().cached_block_hashes is None  # only when asked for: it is every hash
+
+
+def test_engine_stats_carry_the_caches_changes_since_a_seq_or_all_of_it_after_a_gap(make_engine):
+    import pickle
+
+    from model_worker import SamplingParams
+    from tests.unit.conftest import run_to_completion
+
+    engine = make_engine(block_size=4)
+    engine.add_request("a", list(range(1, 20)), SamplingParams(max_tokens=3))
+    run_to_completion(engine)
+    first = engine.stats(include_block_hashes=True)
+    assert first.cache_seq > 0 and first.block_hashes_since is None
+    engine.add_request("b", list(range(50, 70)), SamplingParams(max_tokens=3))
+    run_to_completion(engine)
+    delta = engine.stats(include_block_hashes=True, block_hashes_since=first.cache_seq)
+    assert delta.cached_block_hashes is None and delta.block_hashes_since == first.cache_seq
+    assert delta.cache_seq > first.cache_seq and not delta.removed_block_hashes
+    assert set(first.cached_block_hashes) | set(delta.stored_block_hashes) == set(engine.scheduler.kv.pool.cached_hashes())
+    assert pickle.loads(pickle.dumps(delta)) == delta  # it crosses from the engine process
+    assert engine.stats(include_block_hashes=True, block_hashes_since=delta.cache_seq).stored_block_hashes == ()
+    engine.reset_prefix_cache()
+    gap = engine.stats(include_block_hashes=True, block_hashes_since=delta.cache_seq)
+    assert gap.block_hashes_since is None and gap.cached_block_hashes == ()
+    with pytest.raises(ValueError, match="needs include_block_hashes"):
+        engine.stats(block_hashes_since=0)
 
 
 def test_the_engines_step_output_is_the_stream_chunk_and_folds_into_one_answer(make_engine):

@@ -44,6 +44,38 @@ def test_hooks_report_engine_state_in_the_types_serve_accepts():
     assert routing["replica_id"] == "r0" and routing["block_size"] == 4 and routing["num_total_kv_blocks"] == 64
 
 
+def test_routing_stats_send_the_prefix_caches_changes_after_a_first_full_report():
+    from contracts import RoutingReport
+    from router.prefix_index import PrefixIndex
+
+    server = make_server()
+    pool = server.engine.engine.scheduler.kv.pool
+    index = PrefixIndex()
+
+    async def serve(prompt):
+        await server.generate(GenerateRequest(prompt, SamplingParams(max_tokens=2)))
+        report = RoutingReport.from_dict(await server.record_routing_stats())
+        assert index.apply_report("r0", report, 0.0)
+        assert set(index.reported_hashes("r0")) == set(pool.cached_hashes())
+        return report
+
+    async def main():
+        first = await serve(list(range(1, 30)))
+        second = await serve(list(range(40, 60)))
+        assert await server.reset_prefix_cache()
+        after_reset = await serve(list(range(70, 80)))
+        return first, second, after_reset
+
+    try:
+        first, second, after_reset = asyncio.run(main())
+    finally:
+        server.shutdown()
+    assert first.is_snapshot and len(first.cached_block_hashes) == 7 and first.report_seq == 1
+    assert second.delta_base_seq == first.cache_seq and len(second.stored_block_hashes) == 5
+    assert not second.cached_block_hashes and not second.removed_block_hashes
+    assert after_reset.is_snapshot and len(after_reset.cached_block_hashes) == 2, "a reset is a gap"
+
+
 def test_autoscaling_stats_see_the_queue_age_and_a_windowed_ttft_p90():
     # A fake clock: the held request's age grows before any first token exists (the autoscaler
     # sees queue time), its first token lands in the TTFT window, and the window forgets it.

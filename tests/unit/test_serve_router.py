@@ -103,8 +103,9 @@ def test_each_report_is_folded_in_once_and_gone_replicas_are_forgotten():
     router = make_router("prefix_aware")
     hashes = [11, 22, 33]
     calls = []
-    update = router.index.update
-    router.index.update = lambda rid, h, now: (calls.append((rid, tuple(h))), update(rid, h, now))
+    apply_report = router.index.apply_report
+    router.index.apply_report = lambda rid, report, now: (calls.append((rid, report.cached_block_hashes)),
+                                                          apply_report(rid, report, now))
     a, b = replica("a", cached_block_hashes=hashes), replica("b")
     for _ in range(3):
         choose(router, [a, b], GenerateRequest([1, 2], SamplingParams(max_tokens=2)))
@@ -140,3 +141,27 @@ def test_before_any_report_every_replica_is_a_candidate_and_no_block_size_is_ass
     reported = RoutingReport.from_dict(replica("a").routing_stats)
     assert serve_router._blocks_needed(GenerateRequest([1] * 40, SamplingParams(max_tokens=8)), [None, None]) == 0
     assert serve_router._blocks_needed(GenerateRequest([1] * 40, SamplingParams(max_tokens=8)), [reported]) == 3
+
+
+def test_deltas_in_the_routing_stats_reach_the_index_even_with_no_decision_to_read_them(monkeypatch):
+    """Serve calls update_replicas as each new report comes: the router folds it in then, so a
+    router with no traffic for longer than a delta covers still holds the replica's exact set."""
+    from model_worker.block_pool import BlockPool
+    from router.report_builder import RoutingReportBuilder
+
+    monkeypatch.setattr(serve_router.RequestRouter, "update_replicas", lambda self, replicas: None)
+    pool, builder = BlockPool(64), RoutingReportBuilder(history=2)
+    holder, other = replica("holder"), replica("other")
+    router = make_router("prefix_aware")
+    for step in range(10):  # ten report periods, no request: more than two reports behind
+        (block,) = pool.allocate(1)
+        pool.cache(block, 1000 + step, [step])
+        holder.routing_stats = builder.build("holder", cache_seq=pool.cache_seq, changes_since=pool.changes_since,
+                                             snapshot=pool.cached_hashes, num_free_kv_blocks=50,
+                                             num_total_kv_blocks=64, block_size=16).to_dict()
+        router.update_replicas([holder, other])
+    assert not holder.routing_stats["cached_block_hashes"], "the last report is a delta"
+    assert router.index.is_exact("holder") and router.index.num_delta_reports == 9
+    request = GenerateRequest(list(range(16)) * 10, SamplingParams(max_tokens=2),
+                              block_hashes=[1000 + i for i in range(10)])
+    assert ids(choose(router, [holder, other], request))[0] == ["holder"]
