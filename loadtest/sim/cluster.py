@@ -27,16 +27,20 @@ from autoscaler.policy import AutoscalerConfig, AutoscalerState, decide
 from contracts.priority import Priority
 from loadtest.results import RequestResult
 from loadtest.sim.events import EventLoop
-from loadtest.sim.replica import ReplicaEvents, RoutingReportView, SimReplica, SimRequest
+from contracts import RoutingReport
+from loadtest.sim.replica import ReplicaEvents, SimReplica, SimRequest
 from loadtest.traces import BenchRequest
 from model_worker.config import SchedulerConfig
 from model_worker.hashing import hash_prompt_blocks
 from router.policy import ReplicaSnapshot, RouterConfig, make_policy
 from router.prefix_index import PrefixIndex
+from router.report_builder import RoutingReportBuilder
 
-# Bytes of a report besides its hashes (ids, counts, framing), and per hash (a 64-bit int).
-REPORT_BASE_BYTES = 128
-REPORT_BYTES_PER_HASH = 8
+# Bytes of a report as JSON (what record_routing_stats returns, as Serve ships it): about 300 besides
+# its hashes, and about 21 per hash (a 64-bit int in decimal and its separator), as
+# `python -m loadtest.bench_report_sizes` measures on real reports (2.14 MB for 100,000 hashes).
+REPORT_BASE_BYTES = 300
+REPORT_BYTES_PER_HASH = 21
 
 
 @dataclass(slots=True)
@@ -54,6 +58,10 @@ class ClusterConfig:
     dispatch_ttl_s: float = 10.0
     routing_stats_period_s: float = 1.0
     report_delay_s: float = 0.0
+    # "delta": the prefix cache's changes, a snapshot every full_report_every reports (what
+    # LLMServer sends); "full": every report a snapshot (what it sent before deltas).
+    report_mode: str = "delta"
+    full_report_every: int = 60
     # The `admission` app arg (autoscaler.admission.replica_policy's keywords).
     admission: dict[str, Any] = field(default_factory=dict)
     autoscaling: AutoscalerConfig | None = None
@@ -63,6 +71,10 @@ class ClusterConfig:
     # Per-token chunk times in the results (ITL); off at scale, where they cost memory.
     record_token_times: bool = True
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.report_mode not in ("delta", "full"):
+            raise ValueError(f"report_mode must be 'delta' or 'full', got {self.report_mode!r}")
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
@@ -94,7 +106,7 @@ class SimCluster:
         self.draining: dict[str, SimReplica] = {}
         self.starting: dict[str, float] = {}  # replica id -> when it becomes ready
         self._every_replica: list[SimReplica] = []  # for the run's counters, removed ones too
-        self._reports: dict[str, RoutingReportView] = {}
+        self._reports: dict[str, RoutingReport] = {}
         self._ongoing: dict[str, int] = defaultdict(int)
         self._next_replica = 0
         self._admission = replica_policy(**config.admission)
@@ -119,8 +131,9 @@ class SimCluster:
     def _add_replica(self, replica_id: str | None = None) -> None:
         replica_id = replica_id or self._new_id()
         self.starting.pop(replica_id, None)
+        every = 1 if self.config.report_mode == "full" else self.config.full_report_every
         replica = SimReplica(replica_id, self.loop, self.config.scheduler_config(), self.step_model, self._admission,
-                             self._events, self.config.record_token_times)
+                             self._events, self.config.record_token_times, RoutingReportBuilder(full_report_every=every))
         self.replicas[replica_id] = replica
         self._every_replica.append(replica)
 
@@ -216,7 +229,8 @@ class SimCluster:
         for replica in self.replicas.values():
             report = replica.routing_report(include_hashes)
             self.counters["reports"] += 1
-            self.counters["report_bytes"] += REPORT_BASE_BYTES + REPORT_BYTES_PER_HASH * len(report.cached_block_hashes)
+            self.counters["report_bytes"] += REPORT_BASE_BYTES + REPORT_BYTES_PER_HASH * report.num_hashes
+            self.counters["report_hashes"] += report.num_hashes
             if delay:
                 self.loop.after(delay, self._deliver, report)
             else:
@@ -224,12 +238,12 @@ class SimCluster:
         if self._pending:
             self.loop.after(self.config.routing_stats_period_s, self._report_all)
 
-    def _deliver(self, report: RoutingReportView) -> None:
+    def _deliver(self, report: RoutingReport) -> None:
         if report.replica_id not in self.replicas:
             return
         self._reports[report.replica_id] = report
         if self._routes_on_prefix:
-            self.index.update(report.replica_id, report.cached_block_hashes, self.loop.now)
+            self.index.apply_report(report.replica_id, report, self.loop.now)
 
     def _autoscale(self) -> None:
         config = self.config.autoscaling

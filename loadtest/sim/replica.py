@@ -9,11 +9,12 @@ token is the same id (requests ignore EOS and end at their length, as in every b
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from autoscaler.admission import AdmissionController, AdmissionPolicy, Ticket
 from autoscaler.policy import ReplicaLoad
+from contracts import RoutingReport
 from contracts.priority import Priority
 from contracts.sampling import SamplingParams
 from contracts.serving import RequestTimings
@@ -24,6 +25,7 @@ from model_worker.batch import SchedulerOutput
 from model_worker.config import SchedulerConfig
 from model_worker.request import Request
 from model_worker.scheduler import make_scheduler
+from router.report_builder import RoutingReportBuilder
 
 # The token every simulated step samples: any id works, since requests ignore EOS.
 SAMPLED_TOKEN = 1
@@ -59,21 +61,10 @@ class ReplicaEvents:
     on_done: Callable[[SimRequest], None]
 
 
-@dataclass(slots=True)
-class RoutingReportView:
-    """What a replica's routing report carries (contracts.RoutingReport's fields that route)."""
-
-    replica_id: str
-    report_seq: int
-    load: int
-    num_free_kv_blocks: int
-    num_total_kv_blocks: int
-    cached_block_hashes: frozenset[int] = field(default_factory=frozenset)
-
-
 class SimReplica:
     def __init__(self, replica_id: str, loop: EventLoop, scheduler_config: SchedulerConfig, step_model: Any,
-                 admission_policy: AdmissionPolicy, events: ReplicaEvents, record_token_times: bool = True) -> None:
+                 admission_policy: AdmissionPolicy, events: ReplicaEvents, record_token_times: bool = True,
+                 report_builder: RoutingReportBuilder | None = None) -> None:
         self.replica_id = replica_id
         self.loop = loop
         self.config = scheduler_config
@@ -85,7 +76,8 @@ class SimReplica:
         self.counters = ReplicaCounters()
         self.stepping = False
         self._requests: dict[str, SimRequest] = {}
-        self._report_seq = 0
+        # LLMServer's builder: deltas of the prefix cache, a snapshot now and then.
+        self.report_builder = report_builder or RoutingReportBuilder()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -157,14 +149,20 @@ class SimReplica:
 
     # ---- reports ----------------------------------------------------------------------------
 
-    def routing_report(self, include_hashes: bool = True) -> RoutingReportView:
-        """What LLMServer.record_routing_stats reports: load, free KV blocks and every block hash
-        the prefix cache holds."""
-        self._report_seq += 1
-        kv = self.scheduler.kv
-        hashes = frozenset(kv.pool.cached_hashes()) if include_hashes else frozenset()
-        return RoutingReportView(self.replica_id, self._report_seq, self.scheduler.num_waiting + self.scheduler.num_running,
-                                 kv.num_free_blocks, self.config.num_kv_blocks, hashes)
+    def routing_report(self, include_hashes: bool = True) -> RoutingReport:
+        """What LLMServer.record_routing_stats reports, built by the same RoutingReportBuilder over
+        this replica's real block pool: load, free KV blocks and the prefix cache's changes (or,
+        now and then, every hash it holds). Without include_hashes (a router that does not route
+        on prefixes) the cache is left out."""
+        scheduler, kv = self.scheduler, self.scheduler.kv
+        counts = dict(num_queued=scheduler.num_waiting, num_running=scheduler.num_running,
+                      num_free_kv_blocks=kv.num_free_blocks, num_total_kv_blocks=self.config.num_kv_blocks,
+                      block_size=self.config.block_size)
+        if not include_hashes:
+            return RoutingReport(self.replica_id, 0, **counts)
+        pool = kv.pool
+        return self.report_builder.build(self.replica_id, cache_seq=pool.cache_seq, changes_since=pool.changes_since,
+                                         snapshot=pool.cached_hashes, **counts)
 
     def load_report(self) -> ReplicaLoad:
         """What LLMServer.record_autoscaling_stats reports to the autoscaling policy."""

@@ -148,3 +148,21 @@ def test_a_run_cut_off_reports_open_requests_as_unfinished():
     assert not run.results[0].ok and run.results[0].finish_s is None
     assert math.isclose(run.duration_s, 5.0)
     assert np.isfinite(run.counters["busy_s"])
+
+
+def test_delta_reports_route_exactly_as_full_snapshots_for_far_fewer_bytes():
+    """The real report builder and PrefixIndex.apply_report in the loop: with deltas the router's
+    index is the same as with a snapshot every period, so every decision and every figure is the
+    same, for a fraction of the report bytes."""
+    workload = shared_prefix_workload(600, 60.0)
+    runs = {}
+    for mode in ("full", "delta"):
+        config = ClusterConfig(num_replicas=3, num_kv_blocks=400, max_num_seqs=8, report_mode=mode,
+                               routing_stats_period_s=0.2)
+        runs[mode] = SimCluster(config, FixedSteps(0.005, 0.00002)).run(workload)
+    full, delta = runs["full"], runs["delta"]
+    assert [r.finish_s for r in full.results] == [r.finish_s for r in delta.results]
+    assert full.counters["cached_tokens"] == delta.counters["cached_tokens"]
+    assert delta.counters["report_hashes"] < full.counters["report_hashes"] / 3
+    with pytest.raises(ValueError, match="report_mode"):
+        ClusterConfig(report_mode="sometimes")
