@@ -68,11 +68,16 @@ class ClusterConfig:
     autoscale_period_s: float = 1.0
     # Seconds from a replica being asked for to its first request: process start, imports, weights.
     replica_start_s: float = 30.0
+    # Host seconds every step costs on top of the step-time model's forward: the engine loop's own
+    # work between forwards (the scheduler, outputs, the caller's handling of them). 0 leaves it out.
+    step_overhead_s: float = 0.0
     # Per-token chunk times in the results (ITL); off at scale, where they cost memory.
     record_token_times: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not (self.step_overhead_s >= 0 and math.isfinite(self.step_overhead_s)):
+            raise ValueError(f"step_overhead_s must be a finite number >= 0, got {self.step_overhead_s!r}")
         if self.report_mode not in ("delta", "full"):
             raise ValueError(f"report_mode must be 'delta' or 'full', got {self.report_mode!r}")
 
@@ -92,6 +97,16 @@ class SimRun:
     # Each autoscaling decision: t_s, target, ready, starting, draining, pressure.
     decisions: list[dict[str, float]]
     counters: dict[str, float]
+
+
+class _WithOverhead:
+    """A step-time model plus a fixed host cost per step."""
+
+    def __init__(self, model: Any, overhead_s: float) -> None:
+        self.model, self.overhead_s = model, overhead_s
+
+    def predict(self, batch: Any) -> float:
+        return self.model.predict(batch) + self.overhead_s
 
 
 class SimCluster:
@@ -132,7 +147,9 @@ class SimCluster:
         replica_id = replica_id or self._new_id()
         self.starting.pop(replica_id, None)
         every = 1 if self.config.report_mode == "full" else self.config.full_report_every
-        replica = SimReplica(replica_id, self.loop, self.config.scheduler_config(), self.step_model, self._admission,
+        step_model = self.step_model if not self.config.step_overhead_s else _WithOverhead(self.step_model,
+                                                                                        self.config.step_overhead_s)
+        replica = SimReplica(replica_id, self.loop, self.config.scheduler_config(), step_model, self._admission,
                              self._events, self.config.record_token_times, RoutingReportBuilder(full_report_every=every))
         self.replicas[replica_id] = replica
         self._every_replica.append(replica)

@@ -169,7 +169,7 @@ def test_measured_profiles_keep_their_points_and_fit(name):
     profile = StepTimeModel.load(PROFILES / f"{name}.json")
     assert profile.measured and profile.source.startswith("measured on")
     assert profile.fit["num_points"] == len(profile.points) >= 40
-    assert profile.fit_error(profile.points) == profile.fit
+    assert profile.fit_error(profile.points).items() <= profile.fit.items()
     assert profile.fit["median_rel_error"] < 0.25
 
 
