@@ -33,7 +33,8 @@ from loadtest import workloads as wl
 from loadtest.results import summarize
 from loadtest.sim.cli import load_step_model
 from loadtest.sim.cluster import ClusterConfig, SimCluster
-from loadtest.traces import BenchRequest, LengthScaler, default_trace_path, load_azure_trace, normal_token_ids
+from loadtest.traces import (BenchRequest, LengthScaler, default_trace_path, load_azure_trace, normal_token_ids,
+                             sample_lengths)
 from router.policy import RouterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +80,7 @@ def trace_workload(num_requests: int, rate: float, pool: np.ndarray, seed: int) 
 
 # ---- 1. validation against the real engine ------------------------------------------------------
 
-def validation(args: argparse.Namespace) -> dict[str, Any]:
+def validation(args: argparse.Namespace, step_model: Any = None) -> dict[str, Any]:
     """The tiny model's real engine, offline on this machine, against one simulated replica with the
     same scheduler limits and the profile measured from that engine's runner.
 
@@ -127,7 +128,7 @@ def validation(args: argparse.Namespace) -> dict[str, Any]:
                            max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens,
                            max_model_len=limits.max_model_len, num_replicas=1, step_overhead_s=max(overhead_s, 0.0),
                            seed=args.seed)
-    sim_run = SimCluster(config, load_step_model("tiny-cpu")).run(workload)
+    sim_run = SimCluster(config, step_model or load_step_model("tiny-cpu")).run(workload)
     real, sim = figures(summarize(real_results)), figures(summarize(sim_run.results))
     errors = rel_errors(real, sim)
     log(f"validation: host overhead {overhead_s * 1e3:.2f} ms/step (compared run: {overhead_check_s * 1e3:.2f}); "
@@ -139,13 +140,29 @@ def validation(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- 2. scale --------------------------------------------------------------------------------
 
+def scale_workload(num_requests: int, rate: float, seed: int) -> list[BenchRequest]:
+    """The Azure trace's lengths drawn with replacement (it has 19,366 rows), Poisson arrivals.
+    Prompts are slices of one shared random token tuple at random offsets: a million prompts of
+    their own would be about 10 GB of Python ints, slices are 8 bytes a token, and random offsets
+    share no block (the trace has no shared prefixes either)."""
+    rng = np.random.default_rng(seed)
+    lengths = sample_lengths(load_azure_trace(default_trace_path()), num_requests,
+                             LengthScaler(prompt_divisor=4.0, output_divisor=2.0), seed)
+    tokens = tuple(int(t) for t in rng.integers(1, 32000, size=1 << 20))
+    longest = max(p for p, _ in lengths)
+    offsets = rng.integers(0, len(tokens) - longest, size=num_requests)
+    arrivals = wl.arrivals(num_requests, rate, "poisson", seed)
+    return [BenchRequest(f"req-{i}", tokens[o:o + p], n, a)
+            for i, ((p, n), o, a) in enumerate(zip(lengths, offsets.tolist(), arrivals))]
+
+
 def scale(args: argparse.Namespace, step_model: Any) -> dict[str, Any]:
-    """Azure-trace requests over many replicas at about 60% of what each sustains."""
+    """Azure-trace requests over many replicas, 4 req/s each (a batch of a few dozen on the H100
+    profile)."""
     replicas, requests = args.scale_replicas, args.scale_requests
-    pool = normal_token_ids(32000, [])
     per_replica_rate = 4.0
     started_s = time.perf_counter()
-    workload = trace_workload(requests, replicas * per_replica_rate, pool, args.seed)
+    workload = scale_workload(requests, replicas * per_replica_rate, args.seed)
     build_s = time.perf_counter() - started_s
     config = ClusterConfig(num_replicas=replicas, num_kv_blocks=8192, max_num_seqs=256, max_num_batched_tokens=2048,
                            router=RouterConfig(policy="prefix_aware"), record_token_times=False, seed=args.seed)
@@ -185,6 +202,16 @@ def routing(args: argparse.Namespace, step_model: Any) -> dict[str, Any]:
                            "report_bytes_per_replica_s": counters["report_bytes"] / replicas / max(run.duration_s, 1e-9),
                            "wall_s": wall_s, "requests": len(workload)}
             log(f"routing x{replicas} {policy}: {row[policy]}")
+        # The same prefix-aware run with a full snapshot in every report, as before deltas: the
+        # routing is the same (tests/unit/test_sim.py), the bytes are not.
+        config = ClusterConfig(num_replicas=replicas, num_kv_blocks=4096, max_num_seqs=256, max_num_batched_tokens=2048,
+                               router=RouterConfig(policy="prefix_aware"), report_mode="full",
+                               record_token_times=False, seed=args.seed)
+        run = SimCluster(config, step_model).run(workload)
+        row["report_bytes_per_replica_s_full"] = run.counters["report_bytes"] / replicas / max(run.duration_s, 1e-9)
+        row["report_bytes_per_replica_s_delta"] = row["prefix_aware"]["report_bytes_per_replica_s"]
+        log(f"routing x{replicas} reports: full {row['report_bytes_per_replica_s_full']:.0f} B/s, "
+            f"delta {row['report_bytes_per_replica_s_delta']:.0f} B/s per replica")
         out[str(replicas)] = row
     return out
 

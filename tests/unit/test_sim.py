@@ -166,3 +166,28 @@ def test_delta_reports_route_exactly_as_full_snapshots_for_far_fewer_bytes():
     assert delta.counters["report_hashes"] < full.counters["report_hashes"] / 3
     with pytest.raises(ValueError, match="report_mode"):
         ClusterConfig(report_mode="sometimes")
+
+
+def test_capacity_plan_finds_the_fewest_replicas_meeting_the_slo(monkeypatch):
+    """Bisection over replica counts: the answer meets the SLO and one replica fewer does not."""
+    import argparse
+
+    from loadtest.results import SLO
+    from loadtest.sim import cli
+
+    pool = normal_token_ids(32000, [])
+    fixed = wl.LengthDist("fixed", 64, 64, 64)
+    workload = wl.synthetic(300, fixed, fixed, wl.arrivals(300, 30.0, "poisson", 0), pool, seed=0)
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    cli.add_parser(sub)
+    args = parser.parse_args(["simulate", "--max-replicas", "16", "--max-num-seqs", "4", "--slo-ttft", "0.5"])
+    slo = SLO(ttft_s=0.5)
+    monkeypatch.setattr(cli, "summary_line", lambda run: run["label"])
+    fewest, runs = cli.plan(workload, args, FixedSteps(0.02), "round_robin", slo, 30.0)
+    by_count = {int(run["series"].split("x")[-1]): run for run in runs}
+    assert fewest is not None and 1 < fewest < 16
+    assert cli.meets(by_count[fewest]["summary"], slo)
+    fewer = cli.simulate(workload, cli.cluster_config(args, fewest - 1, "round_robin"), FixedSteps(0.02), "x", "x",
+                         30.0, slo, args.max_duration)
+    assert not cli.meets(fewer["summary"], slo)
