@@ -50,7 +50,6 @@ import gc
 import itertools
 import json
 import logging
-import math
 import os
 import platform
 import shutil
@@ -75,7 +74,7 @@ from loadtest import hf_baselines as hf
 from loadtest.bench_engine import greedy_params, warmup_workload
 from loadtest.chat_prompts import CHAT_PROMPTS, render
 from loadtest.engine_driver import run_engine
-from loadtest.results import RunSummary, summarize_offline
+from loadtest.results import RunSummary, finite, summarize_offline
 from loadtest.traces import (BenchRequest, LengthScaler, all_at_once, build_workload, default_trace_path,
                              load_azure_trace, normal_token_ids, sample_lengths)
 from model_worker.batch import ScheduledSequence, SchedulerOutput
@@ -702,17 +701,6 @@ def evaluate_targets(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         value = data.get(key)
         out[key] = {"min": minimum, "value": value, "pass": None if value is None else bool(value >= minimum)}
     return out
-
-
-def finite(value: Any) -> Any:
-    """The JSON with NaN and infinities as null (json.dumps would write invalid NaN tokens)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite(v) for v in value]
-    return value
 
 
 def run_sections(report: Report, args: argparse.Namespace, sizes: Sizes, device: torch.device,

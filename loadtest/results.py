@@ -12,6 +12,8 @@ chunk, ITL between consecutive content chunks, TPOT = (E2E - TTFT) / (output tok
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -199,3 +201,14 @@ def format_table(rows: dict[str, RunSummary]) -> str:
                      f"{s.useful_tokens_per_s:>8.1f} {s.ttft_p50_s:>9.3f} {s.ttft_p99_s:>9.3f} "
                      f"{s.e2e_p50_s:>8.3f} {s.e2e_p99_s:>8.3f}")
     return "\n".join(lines)
+
+
+def finite(value: Any) -> Any:
+    """The JSON with NaN and infinities as null (json.dumps would write invalid NaN tokens)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value

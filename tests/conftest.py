@@ -2,7 +2,7 @@
 
 Triton picks the interpreter when a kernel is defined, so this must be set before anything
 imports model_worker.runner.triton_attention; a conftest at the root of tests/ is imported first.
-The kernels are then tested on CPU tensors against the torch backend (tests/unit/test_triton_attention.py).
+The kernels are then tested on CPU tensors against the torch backend (tests/integration/test_triton_attention.py).
 """
 
 from __future__ import annotations

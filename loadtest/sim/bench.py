@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ import numpy as np
 
 from autoscaler.policy import AutoscalerConfig
 from loadtest import workloads as wl
-from loadtest.results import summarize
+from loadtest.results import finite, summarize
 from loadtest.sim.cli import load_step_model
 from loadtest.sim.cluster import ClusterConfig, SimCluster
 from loadtest.traces import (BenchRequest, LengthScaler, default_trace_path, load_azure_trace, normal_token_ids,
@@ -270,18 +269,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["warm_spares"] = warm_spares(args, gpu)
     result["wall_s"] = time.perf_counter() - started_s
     (args.out / "sim_bench.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(_finite(result)), flush=True)
+    print(json.dumps(finite(result)), flush=True)
     return result
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
 
 
 if __name__ == "__main__":

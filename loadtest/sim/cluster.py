@@ -125,7 +125,7 @@ class SimCluster:
         self._ongoing: dict[str, int] = defaultdict(int)
         self._next_replica = 0
         self._admission = replica_policy(**config.admission)
-        self._events = ReplicaEvents(on_first_token=self._first_token, on_done=self._done)
+        self._events = ReplicaEvents(on_done=self._done)
         self._pending = 0
         self._dependents: dict[str, list[BenchRequest]] = defaultdict(list)
         self._results: list[RequestResult] = []
@@ -220,9 +220,6 @@ class SimCluster:
         if hashes:
             self.index.record_dispatch(chosen, hashes, now)
         return chosen
-
-    def _first_token(self, request: SimRequest) -> None:
-        """Nothing routes on it yet; the hook is where a router's TTFT feedback would go."""
 
     def _done(self, request: SimRequest) -> None:
         if request.replica_id is not None:

@@ -55,9 +55,8 @@ class ReplicaCounters:
 
 @dataclass(slots=True)
 class ReplicaEvents:
-    """What a replica tells the cluster: a request's first token, its end (ok or refused)."""
+    """What a replica tells the cluster: a request's end (ok or refused)."""
 
-    on_first_token: Callable[[SimRequest], None]
     on_done: Callable[[SimRequest], None]
 
 
@@ -133,7 +132,6 @@ class SimReplica:
                 counters.cached_tokens += max(request.num_cached_tokens, 0)
                 if sim.ticket is not None:
                     sim.ticket.first_token()
-                self.events.on_first_token(sim)
             if self.record_token_times:
                 result.chunk_times_s.append(now)
         for request in scheduler.take_finished():

@@ -119,25 +119,8 @@ class StepTimeModel:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
     def predict(self, batch: Any) -> float:
-        """Seconds the step of this SchedulerOutput takes; 0 for an empty one (no step runs).
-        The simulator calls this once per simulated step: features are summed inline."""
-        sequences = batch.sequences
-        if not sequences:
-            return 0.0
-        prefill_tokens = decode_seqs = context_tokens = 0
-        prefill_attention = 0.0
-        for seq in sequences:
-            start = seq.start_position
-            num_tokens = len(seq.token_ids)
-            context_tokens += start
-            if num_tokens == 1:
-                decode_seqs += 1
-            else:
-                prefill_tokens += num_tokens
-                prefill_attention += num_tokens * (start + 0.5 * num_tokens)
-        return (self.base_s + self.prefill_token_s * prefill_tokens + self.decode_seq_s * decode_seqs
-                + self.context_token_s * context_tokens + self.prefill_attention_s * prefill_attention
-                + (self.multi_row_s if prefill_tokens + decode_seqs >= 2 else 0.0))
+        """Seconds the step of this SchedulerOutput takes; 0 for an empty one (no step runs)."""
+        return self.predict_features(features(batch))
 
     def predict_features(self, f: StepFeatures) -> float:
         if f.num_seqs == 0:

@@ -18,7 +18,7 @@ memory waits for the GPU to drain first.
 
 `capture` takes the graph API as an argument, so the buffer handling, the padding and the bucket
 choice are tested on CPU with a stand-in that replays by running the forward again over the same
-static buffers (tests/unit/test_cuda_graphs.py).
+static buffers (tests/integration/test_cuda_graphs.py).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from model_worker.runner import triton_attention
 from model_worker.runner.attention import StepLayout, TorchAttentionBackend, create_attention_backend
 from model_worker.runner.triton_attention import TritonAttentionBackend, build_tiles
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(
     not triton_attention.triton_available() or not (triton_attention.interpreting() or torch.cuda.is_available()),
-    reason="needs triton, and a GPU or TRITON_INTERPRET=1")
+    reason="needs triton, and a GPU or TRITON_INTERPRET=1")]
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not triton_attention.interpreting() else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}

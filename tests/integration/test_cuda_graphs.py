@@ -13,6 +13,8 @@ from model_worker.runner.cuda_graphs import graph_batch_sizes
 from model_worker.runner.memory_plan import graph_batch_for, kv_budget_bytes, profile_steps
 from model_worker.runner.uploader import Uploader
 
+pytestmark = pytest.mark.integration
+
 
 def test_graph_batch_sizes():
     assert graph_batch_sizes(1) == [1]
