@@ -47,9 +47,14 @@ class BlockPool:
             raise ValueError(f"cache_event_capacity must be >= 0, got {cache_event_capacity}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
-        # block_id -> block, in eviction order (head first). O(1) removal of a hit block.
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        # Every block handed out so far, by id: ids len(blocks) .. num_blocks - 1 were never used.
+        # They are made on first use: a GPU's pool has 100,000s of blocks, a simulated cluster
+        # 1,000 pools, and a block that was never used needs no object.
+        self.blocks: list[KVBlock] = []
+        # The free queue in eviction order is: the never-used ids in order (they came first and
+        # nothing joins ahead of them), then these used blocks with no reference, block_id ->
+        # block, head first. O(1) removal of a hit block.
+        self._free: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached: dict[int, KVBlock] = {}
         self.num_evictions = 0
         # Changes to _cached so far: each hash stored or removed counts one, a reset one more.
@@ -61,7 +66,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now: unused ones and evictable cached ones."""
-        return len(self._free)
+        return self.num_blocks - len(self.blocks) + len(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -105,13 +110,17 @@ class BlockPool:
             block.ref_count += 1
 
     def allocate(self, num_blocks: int) -> list[KVBlock]:
-        if num_blocks > len(self._free):
-            raise RuntimeError(f"asked for {num_blocks} blocks with {len(self._free)} free")
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"asked for {num_blocks} blocks with {self.num_free_blocks} free")
         blocks = []
         for _ in range(num_blocks):
-            _, block = self._free.popitem(last=False)
-            if block.block_hash is not None:
-                self._evict(block)
+            if len(self.blocks) < self.num_blocks:
+                block = KVBlock(len(self.blocks))
+                self.blocks.append(block)
+            else:
+                _, block = self._free.popitem(last=False)
+                if block.block_hash is not None:
+                    self._evict(block)
             block.ref_count = 1
             blocks.append(block)
         return blocks
@@ -136,6 +145,8 @@ class BlockPool:
 
     def uncache(self, block_id: int) -> None:
         """Drop one block from the prefix cache (its contents are invalid); it stays allocated."""
+        if not 0 <= block_id < len(self.blocks):
+            return  # never used: nothing cached
         block = self.blocks[block_id]
         if block.block_hash is not None:
             self._drop_hash(block)

@@ -42,8 +42,24 @@ class KVCacheManager:
         computed_blocks, prefix hits taken at admission). False, changing nothing, if the pool
         cannot supply them. cache_blocks=False keeps the new tokens' blocks out of the prefix
         cache (a slot that is written again and again)."""
+        owned = self._blocks.get(request.request_id)
+        if owned is not None and not computed_blocks:
+            # A running request (every decode and every later chunk): new blocks only when it
+            # crosses a block boundary, and cache work only when a block has filled up.
+            total_tokens = request.num_computed_tokens + num_new_tokens
+            num_new_blocks = -(-total_tokens // self.block_size) - len(owned)
+            if num_new_blocks > 0:
+                if num_new_blocks > self.pool.num_free_blocks:
+                    return False
+                new_blocks = self.pool.allocate(num_new_blocks)
+                owned.extend(new_blocks)
+                self._block_ids[request.request_id].extend(block.block_id for block in new_blocks)
+            if (cache_blocks and self.enable_caching
+                    and total_tokens // self.block_size > self._num_cached[request.request_id]):
+                self._cache_full_blocks(request, total_tokens)
+            return True
         computed_blocks = computed_blocks or []
-        owned = self._blocks.get(request.request_id, [])
+        owned = owned if owned is not None else []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
         num_new_blocks = max(0, self.blocks_needed(total_tokens) - len(owned) - len(computed_blocks))

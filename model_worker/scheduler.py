@@ -133,13 +133,18 @@ class Scheduler:
         return sum(self.waiting.count(p) for p in Priority if p < priority)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # The hot loop of every step (one pass per running request): locals, and the allocation
+        # tried once before the preemption loop, which only a full pool enters.
+        running, allocate_slots, emit = self.running, self.kv.allocate_slots, self._emit
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, out):
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
+            if not allocate_slots(request, num_new) and not self._allocate_or_preempt(request, num_new, out):
                 break
-            self._emit(out, request, num_new)
+            emit(out, request, num_new)
             budget -= num_new
             index += 1
         return budget
@@ -180,15 +185,10 @@ class Scheduler:
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
         end = start + num_new
-        out.sequences.append(ScheduledSequence(
-            request_id=request.request_id,
-            token_ids=request.token_slice(start, end),
-            start_position=start,
-            block_table=self.kv.block_ids(request.request_id),
-            sample=end == request.num_tokens,
-            sampling_params=request.sampling_params,
-            output_index=request.num_output_tokens,
-        ))
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        out.sequences.append(ScheduledSequence(request.request_id, request.token_slice(start, end), start,
+                                               self.kv.block_ids(request.request_id), end == num_tokens,
+                                               request.sampling_params, len(request.output_token_ids)))
         request.num_computed_tokens = end
         if request.timings.first_scheduled_s is None:
             request.timings.first_scheduled_s = self.clock()
@@ -210,23 +210,31 @@ class Scheduler:
         now = self.clock()
         tokens = iter(sampled)
         progressed = []
+        # Once per sampled token of every step: the lookups hoisted, and the cheap tests of
+        # update_block_hashes and _stop_status made here, their calls only when they do something.
+        requests, running = self.requests, RequestStatus.RUNNING
+        block_size = self.config.block_size if self.config.enable_prefix_caching else 0
+        eos_token_ids = self.eos_token_ids
         for seq in batch.sequences:
             if not seq.sample:
                 continue
             token = next(tokens)
-            request = self.requests.get(seq.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(seq.request_id)
+            if request is None or request.status != running:
                 continue
-            request.output_token_ids.append(token)
-            if self.config.enable_prefix_caching:
-                request.update_block_hashes(self.config.block_size)
-            if request.timings.first_token_s is None:
-                request.timings.first_token_s = now
-            request.timings.token_times_s.append(now)
+            output = request.output_token_ids
+            output.append(token)
+            if block_size and (len(request.prompt_token_ids) + len(output)) // block_size > len(request.block_hashes):
+                request.update_block_hashes(block_size)
+            timings = request.timings
+            if timings.first_token_s is None:
+                timings.first_token_s = now
+            timings.token_times_s.append(now)
             progressed.append(request)
-            status = self._stop_status(request, token)
-            if status is not None:
-                self._finish(request, status)
+            params = request.sampling_params
+            if (len(output) >= params.max_tokens or token in params.stop_token_ids
+                    or (token in eos_token_ids and not params.ignore_eos)):
+                self._finish(request, self._stop_status(request, token))
         return progressed
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:

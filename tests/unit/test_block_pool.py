@@ -171,3 +171,19 @@ def test_cache_seq_only_grows_and_the_log_replays_to_the_real_set():
     for seq, then in snapshots.items():
         stored, removed = as_sets(pool.changes_since(seq))
         assert (then - removed) | stored == now, seq
+
+
+def test_blocks_are_made_on_first_use_in_the_order_an_eager_pool_hands_them_out():
+    pool = BlockPool(1_000_000)
+    assert pool.blocks == [] and pool.num_free_blocks == 1_000_000
+    first = pool.allocate(3)
+    assert [b.block_id for b in first] == [0, 1, 2] and len(pool.blocks) == 3
+    pool.free([first[1]])
+    # Never-used blocks come before a freed one (they were ahead of it in the free queue).
+    assert [b.block_id for b in pool.allocate(2)] == [3, 4]
+    assert pool.num_free_blocks == 1_000_000 - 4
+    pool.uncache(999_999)  # a block never used holds nothing: a no-op
+    small = BlockPool(3)
+    blocks = small.allocate(3)
+    small.free(reversed(blocks))
+    assert [b.block_id for b in small.allocate(3)] == [2, 1, 0]
