@@ -18,7 +18,13 @@ only while the holder carries less than about twice the others' load (a prefill 
 some queueing, not unbounded queueing). kv_weight 0.25 breaks near ties toward free memory.
 imbalance_threshold 8: once the busiest replica has 8 more requests than the idlest, affinity is
 ignored and the least-loaded replica wins, so a popular prefix cannot pile work on one replica
-(SGLang's cache-aware router guards the same way). Ties go to a random replica.
+(SGLang's cache-aware router guards the same way). Ties (scores within 1e-12 of the best) go to a
+random replica.
+
+Policies score a ReplicaTable, the candidates as numpy columns, so one decision over 1,000
+replicas is a few array operations rather than a Python loop over them. `choose` takes snapshots
+(the real router's per-request view) or a table a caller keeps up to date in place (the
+simulator, loadtest/sim/cluster.py); both give the same choice for the same random state.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 POLICIES = ("prefix_aware", "pow2", "round_robin", "random")
 
@@ -37,6 +45,48 @@ class ReplicaSnapshot:
     load: int
     num_free_kv_blocks: int
     num_total_kv_blocks: int
+
+
+class ReplicaTable:
+    """Replicas as columns, in a fixed order: ids, load, free and total KV blocks. A caller that
+    routes many requests over the same replicas keeps one and sets `load[i]`, `free[i]` and
+    `total[i]` as they change; `position` maps an id to its row."""
+
+    __slots__ = ("ids", "position", "load", "free", "total", "_sorted_ids")
+
+    def __init__(self, ids: Sequence[str], load: Sequence[int] | None = None, free: Sequence[int] | None = None,
+                 total: Sequence[int] | None = None) -> None:
+        n = len(ids)
+        self.ids = list(ids)
+        self.position = {rid: i for i, rid in enumerate(self.ids)}
+        self.load = np.zeros(n, dtype=np.int64) if load is None else np.asarray(load, dtype=np.int64)
+        self.free = np.zeros(n, dtype=np.int64) if free is None else np.asarray(free, dtype=np.int64)
+        self.total = np.zeros(n, dtype=np.int64) if total is None else np.asarray(total, dtype=np.int64)
+        self._sorted_ids: list[str] | None = None
+
+    @classmethod
+    def from_snapshots(cls, replicas: Sequence[ReplicaSnapshot]) -> ReplicaTable:
+        return cls([r.replica_id for r in replicas], [r.load for r in replicas],
+                   [r.num_free_kv_blocks for r in replicas], [r.num_total_kv_blocks for r in replicas])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def sorted_ids(self) -> list[str]:
+        if self._sorted_ids is None:
+            self._sorted_ids = sorted(self.ids)
+        return self._sorted_ids
+
+    def hit_column(self, hits: Mapping[str, int]) -> np.ndarray:
+        """hits[replica_id] per row (0 for a replica not in hits; ids not in the table ignored)."""
+        column = np.zeros(len(self.ids), dtype=np.float64)
+        position = self.position
+        for rid, count in hits.items():
+            row = position.get(rid)
+            if row is not None:
+                column[row] = count
+        return column
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,19 +117,21 @@ class Policy:
         self.config = config
         self.rng = rng
 
-    def choose(self, replicas: Sequence[ReplicaSnapshot], hits: Mapping[str, int] | None = None,
+    def choose(self, replicas: Sequence[ReplicaSnapshot] | ReplicaTable, hits: Mapping[str, int] | None = None,
                num_blocks: int = 0, blocks_needed: int = 0) -> str:
-        if not replicas:
+        table = replicas if isinstance(replicas, ReplicaTable) else ReplicaTable.from_snapshots(replicas)
+        if not len(table):
             raise ValueError("no replica to route to")
-        return self._choose(replicas, hits or {}, num_blocks, blocks_needed)
+        return self._choose(table, hits or {}, num_blocks, blocks_needed)
 
-    def _choose(self, replicas: Sequence[ReplicaSnapshot], hits: Mapping[str, int], num_blocks: int,
-                blocks_needed: int) -> str:
+    def _choose(self, table: ReplicaTable, hits: Mapping[str, int], num_blocks: int, blocks_needed: int) -> str:
         raise NotImplementedError
 
-    def _least_loaded(self, replicas: Sequence[ReplicaSnapshot]) -> str:
-        low = min(r.load for r in replicas)
-        return self.rng.choice([r.replica_id for r in replicas if r.load == low])
+    def _least_loaded(self, table: ReplicaTable, rows: Sequence[int] | np.ndarray) -> str:
+        """A random one of the least loaded among `rows` (in the order given)."""
+        loads = table.load[rows]
+        lowest = np.flatnonzero(loads == loads.min())
+        return table.ids[int(rows[int(lowest[self.rng.randrange(lowest.size)])])]
 
 
 class RoundRobin(Policy):
@@ -87,44 +139,46 @@ class RoundRobin(Policy):
         super().__init__(config, rng)
         self._turn = 0
 
-    def _choose(self, replicas, hits, num_blocks, blocks_needed):  # type: ignore[no-untyped-def]
-        ordered = sorted(r.replica_id for r in replicas)
+    def _choose(self, table, hits, num_blocks, blocks_needed):  # type: ignore[no-untyped-def]
+        ordered = table.sorted_ids
         self._turn += 1
         return ordered[(self._turn - 1) % len(ordered)]
 
 
 class RandomChoice(Policy):
-    def _choose(self, replicas, hits, num_blocks, blocks_needed):  # type: ignore[no-untyped-def]
-        return self.rng.choice(replicas).replica_id
+    def _choose(self, table, hits, num_blocks, blocks_needed):  # type: ignore[no-untyped-def]
+        return self.rng.choice(table.ids)
 
 
 class PowerOfTwo(Policy):
     """The less loaded of two replicas drawn at random (Serve's default, on our load figures)."""
 
-    def _choose(self, replicas, hits, num_blocks, blocks_needed):  # type: ignore[no-untyped-def]
-        return self._least_loaded(self.rng.sample(list(replicas), min(2, len(replicas))))
+    def _choose(self, table, hits, num_blocks, blocks_needed):  # type: ignore[no-untyped-def]
+        return self._least_loaded(table, self.rng.sample(range(len(table)), min(2, len(table))))
 
 
 class PrefixAware(Policy):
-    def _choose(self, replicas, hits, num_blocks, blocks_needed):  # type: ignore[no-untyped-def]
-        loads = [r.load for r in replicas]
-        if max(loads) - min(loads) > self.config.imbalance_threshold:
-            return self._least_loaded(replicas)
+    def _choose(self, table, hits, num_blocks, blocks_needed):  # type: ignore[no-untyped-def]
+        loads = table.load
+        low, high = int(loads.min()), int(loads.max())
+        if high - low > self.config.imbalance_threshold:
+            return self._least_loaded(table, np.arange(len(table)))
+        hit = table.hit_column(hits)
         # A replica that cannot hold the request's uncached blocks would preempt to admit it.
-        roomy = [r for r in replicas if r.num_free_kv_blocks >= blocks_needed - hits.get(r.replica_id, 0)]
-        max_load = max(max(loads), 1)
-        best: list[str] = []
-        best_score = float("-inf")
-        for r in roomy or replicas:
-            hit_fraction = hits.get(r.replica_id, 0) / num_blocks if num_blocks else 0.0
-            kv_pressure = 1.0 - r.num_free_kv_blocks / r.num_total_kv_blocks if r.num_total_kv_blocks else 1.0
-            score = (self.config.prefix_weight * hit_fraction - self.config.load_weight * r.load / max_load
-                     - self.config.kv_weight * kv_pressure)
-            if score > best_score + 1e-12:
-                best, best_score = [r.replica_id], score
-            elif abs(score - best_score) <= 1e-12:
-                best.append(r.replica_id)
-        return self.rng.choice(best)
+        rows = np.flatnonzero(table.free >= blocks_needed - hit)
+        if not rows.size:
+            rows = np.arange(len(table))
+        max_load = max(high, 1)
+        total, free = table.total[rows], table.free[rows]
+        hit_fraction = hit[rows] / num_blocks if num_blocks else np.zeros(rows.size)
+        kv_pressure = np.ones(rows.size)
+        has_total = total > 0
+        kv_pressure[has_total] = 1.0 - free[has_total] / total[has_total]
+        score = (self.config.prefix_weight * hit_fraction - self.config.load_weight * loads[rows] / max_load
+                 - self.config.kv_weight * kv_pressure)
+        best = rows[score >= score.max() - 1e-12]
+        # rng.choice(list) draws randrange(len): the same draw, without a list of (often all) ids.
+        return table.ids[int(best[self.rng.randrange(best.size)])]
 
 
 _POLICY_CLASSES: dict[str, type[Policy]] = {"prefix_aware": PrefixAware, "pow2": PowerOfTwo,

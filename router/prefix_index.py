@@ -15,6 +15,10 @@ marked inexact until the next snapshot. Applying it is never worse than not: eve
 delta names is then where the replica has it; only changes between the set's seq and the delta's
 base are missing. The set is kept rather than dropped because most of it is still right (shared
 prefixes stay cached longest) and the next snapshot comes within a bounded number of periods.
+
+Every entry is also indexed the other way, block hash -> the replicas holding it, so `hits`
+answers for all replicas at once in time that grows with the chain and its holders, not with
+the replica count: at 1,000 replicas a decision must not visit every replica's set.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ class PrefixIndex:
         self._inexact: set[str] = set()
         # replica -> block hash -> time (s) after which the optimistic entry is dropped.
         self._dispatched: dict[str, dict[int, float]] = {}
+        # The same entries by hash: hash -> the replica reporting it (one, the common case, as a
+        # str) or the set of them; hash -> replica -> expiry for the dispatched ones.
+        self._holders: dict[int, str | set[str]] = {}
+        self._pending: dict[int, dict[str, float]] = {}
         # Reports applied, by kind: snapshots, deltas applied exactly, deltas that found a gap
         # (applied as well as they could be), and reports older than the set (ignored).
         self.num_full_reports = 0
@@ -70,27 +78,98 @@ class PrefixIndex:
         else:
             self.num_delta_reports += 1
         reported = self._reported.setdefault(replica_id, set())
-        reported.difference_update(report.removed_block_hashes)
-        reported.update(report.stored_block_hashes)
+        for h in report.removed_block_hashes:
+            if h in reported:
+                reported.discard(h)
+                self._drop_holder(h, replica_id)
+        for h in report.stored_block_hashes:
+            if h not in reported:
+                reported.add(h)
+                self._add_holder(h, replica_id)
         self._cache_seq[replica_id] = report.cache_seq
         self._prune_dispatched(replica_id, reported, now_s)
         return replica_id not in self._inexact
 
     def _set_reported(self, replica_id: str, reported: set[int], now_s: float) -> None:
+        old = self._reported.get(replica_id, set())
+        for h in old - reported:
+            self._drop_holder(h, replica_id)
+        for h in reported - old:
+            self._add_holder(h, replica_id)
         self._reported[replica_id] = reported
         self._prune_dispatched(replica_id, reported, now_s)
+
+    def _add_holder(self, block_hash: int, replica_id: str) -> None:
+        holders = self._holders.get(block_hash)
+        if holders is None:
+            self._holders[block_hash] = replica_id
+        elif isinstance(holders, str):
+            if holders != replica_id:
+                self._holders[block_hash] = {holders, replica_id}
+        else:
+            holders.add(replica_id)
+
+    def _drop_holder(self, block_hash: int, replica_id: str) -> None:
+        holders = self._holders.get(block_hash)
+        if holders is None:
+            return
+        if isinstance(holders, str):
+            if holders == replica_id:
+                del self._holders[block_hash]
+            return
+        holders.discard(replica_id)
+        if len(holders) == 1:
+            self._holders[block_hash] = next(iter(holders))
 
     def _prune_dispatched(self, replica_id: str, reported: Set[int], now_s: float) -> None:
         """Drop dispatched entries that expired or that the report now confirms."""
         pending = self._dispatched.get(replica_id)
         if pending:
-            self._dispatched[replica_id] = {h: t for h, t in pending.items() if t > now_s and h not in reported}
+            keep = {}
+            for h, t in pending.items():
+                if t > now_s and h not in reported:
+                    keep[h] = t
+                else:
+                    self._drop_pending(h, replica_id)
+            self._dispatched[replica_id] = keep
+
+    def _drop_pending(self, block_hash: int, replica_id: str) -> None:
+        by_replica = self._pending.get(block_hash)
+        if by_replica is not None:
+            by_replica.pop(replica_id, None)
+            if not by_replica:
+                del self._pending[block_hash]
 
     def record_dispatch(self, replica_id: str, block_hashes: Sequence[int], now_s: float) -> None:
         pending = self._dispatched.setdefault(replica_id, {})
         expires_s = now_s + self.dispatch_ttl_s
         for h in block_hashes:
             pending[h] = expires_s
+            self._pending.setdefault(h, {})[replica_id] = expires_s
+
+    def hits(self, block_hashes: Sequence[int], now_s: float) -> dict[str, int]:
+        """leading_hits of every replica holding at least the chain's first block, by replica
+        (a replica left out holds none). One walk down the chain, narrowing the set of replicas
+        that hold every block so far."""
+        result: dict[str, int] = {}
+        alive: set[str] | None = None
+        for index, h in enumerate(block_hashes):
+            holders = self._holders.get(h)
+            here = set() if holders is None else ({holders} if isinstance(holders, str) else set(holders))
+            pending = self._pending.get(h)
+            if pending:
+                here.update(rid for rid, expires_s in pending.items() if expires_s > now_s)
+            if alive is None:
+                alive = here
+            else:
+                for rid in alive - here:
+                    result[rid] = index
+                alive &= here
+            if not alive:
+                return result
+        for rid in alive or ():
+            result[rid] = len(block_hashes)
+        return result
 
     def leading_hits(self, replica_id: str, block_hashes: Sequence[int], now_s: float) -> int:
         """How many leading blocks of the chain the replica holds (reported or recently sent)."""
@@ -116,6 +195,12 @@ class PrefixIndex:
     def retain(self, replica_ids: Iterable[str]) -> None:
         """Forget every replica not in `replica_ids` (dead or scaled down)."""
         keep = set(replica_ids)
+        for replica_id in [r for r in self._reported if r not in keep]:
+            for h in self._reported[replica_id]:
+                self._drop_holder(h, replica_id)
+        for replica_id in [r for r in self._dispatched if r not in keep]:
+            for h in self._dispatched[replica_id]:
+                self._drop_pending(h, replica_id)
         for table in (self._reported, self._dispatched, self._cache_seq):
             for replica_id in [r for r in table if r not in keep]:
                 del table[replica_id]

@@ -67,7 +67,7 @@ class PrefixAwareRouter(RequestRouter):
         eligible = _eligible(reports, request)
         hashes = request.block_hashes if request is not None else []
         snapshots = [self._snapshot(replica_id, by_id[replica_id], now_s) for replica_id in eligible]
-        hits = {rid: self.index.leading_hits(rid, hashes, now_s) for rid in eligible} if hashes else {}
+        hits = self.index.hits(hashes, now_s) if hashes else {}  # the policy reads only the eligible
         chosen = self.policy.choose(snapshots, hits, len(hashes), _blocks_needed(request, reports.values()))
         if hashes:
             self.index.record_dispatch(chosen, hashes, now_s)

@@ -32,7 +32,7 @@ from loadtest.sim.replica import ReplicaEvents, SimReplica, SimRequest
 from loadtest.traces import BenchRequest
 from model_worker.config import SchedulerConfig
 from model_worker.hashing import hash_prompt_blocks
-from router.policy import ReplicaSnapshot, RouterConfig, make_policy
+from router.policy import ReplicaTable, RouterConfig, make_policy
 from router.prefix_index import PrefixIndex
 from router.report_builder import RoutingReportBuilder
 
@@ -71,13 +71,19 @@ class ClusterConfig:
     # Host seconds every step costs on top of the step-time model's forward: the engine loop's own
     # work between forwards (the scheduler, outputs, the caller's handling of them). 0 leaves it out.
     step_overhead_s: float = 0.0
+    # Seconds a request spends on its way from the client to its replica and back besides the
+    # engine (HTTP proxy, ingress, handle, streaming back): added before it is routed, so it
+    # counts in TTFT and end-to-end latency but not in TPOT. 0 leaves it out (an offline engine).
+    request_latency_s: float = 0.0
     # Per-token chunk times in the results (ITL); off at scale, where they cost memory.
     record_token_times: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (self.step_overhead_s >= 0 and math.isfinite(self.step_overhead_s)):
-            raise ValueError(f"step_overhead_s must be a finite number >= 0, got {self.step_overhead_s!r}")
+        for name in ("step_overhead_s", "request_latency_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.report_mode not in ("delta", "full"):
             raise ValueError(f"report_mode must be 'delta' or 'full', got {self.report_mode!r}")
 
@@ -123,6 +129,9 @@ class SimCluster:
         self._every_replica: list[SimReplica] = []  # for the run's counters, removed ones too
         self._reports: dict[str, RoutingReport] = {}
         self._ongoing: dict[str, int] = defaultdict(int)
+        # The ready replicas as the policy reads them (ReplicaSnapshot's figures as columns), kept
+        # in step with _ongoing and _reports; rebuilt when the set of ready replicas changes.
+        self._table: ReplicaTable | None = None
         self._next_replica = 0
         self._admission = replica_policy(**config.admission)
         self._events = ReplicaEvents(on_done=self._done)
@@ -152,6 +161,7 @@ class SimCluster:
         replica = SimReplica(replica_id, self.loop, self.config.scheduler_config(), step_model, self._admission,
                              self._events, self.config.record_token_times, RoutingReportBuilder(full_report_every=every))
         self.replicas[replica_id] = replica
+        self._table = None
         self._every_replica.append(replica)
 
     def _start_replica(self) -> None:
@@ -173,6 +183,7 @@ class SimCluster:
             return
         replica_id = min(self.replicas, key=lambda rid: (self._ongoing[rid], rid))
         replica = self.replicas.pop(replica_id)
+        self._table = None
         self.index.retain(self.replicas)
         self._reports.pop(replica_id, None)
         if replica.num_unfinished:
@@ -188,6 +199,13 @@ class SimCluster:
         priority = Priority.BATCH if bench.priority == "batch" else Priority.INTERACTIVE
         hashes = hash_prompt_blocks(bench.prompt_token_ids, self.config.block_size) if self._routes_on_prefix else []
         request = SimRequest(bench, result, priority, hashes)
+        if self.config.request_latency_s:
+            self.loop.after(self.config.request_latency_s, self._dispatch, request)
+        else:
+            self._dispatch(request)
+
+    def _dispatch(self, request: SimRequest) -> None:
+        result = request.result
         if not self.replicas:
             result.status, result.error = 503, "no replica ready"
             self._done(request)
@@ -195,6 +213,7 @@ class SimCluster:
         replica_id = self._route(request)
         request.replica_id = replica_id
         self._ongoing[replica_id] += 1
+        self._set_row(replica_id)
         self.replicas[replica_id].receive(request)
 
     @property
@@ -204,26 +223,36 @@ class SimCluster:
     def _route(self, request: SimRequest) -> str:
         """PrefixAwareRouter.choose_replicas' decision, on this cluster's state."""
         now = self.loop.now
-        snapshots = []
-        for replica_id in self.replicas:
-            report = self._reports.get(replica_id)
-            load = self._ongoing[replica_id]
-            if report is None:  # no report yet: capacity unknown, as the real router assumes
-                snapshots.append(ReplicaSnapshot(replica_id, load, 0, 0))
-            else:
-                snapshots.append(ReplicaSnapshot(replica_id, load, report.num_free_kv_blocks, report.num_total_kv_blocks))
+        if self._table is None:
+            self._table = ReplicaTable(list(self.replicas))
+            for replica_id in self.replicas:
+                self._set_row(replica_id)
         hashes = request.block_hashes
-        hits = {rid: self.index.leading_hits(rid, hashes, now) for rid in self.replicas} if hashes else {}
+        hits = self.index.hits(hashes, now) if hashes else {}
         bench = request.bench
         blocks_needed = -(-(len(bench.prompt_token_ids) + bench.output_tokens) // self.config.block_size)
-        chosen = self.policy.choose(snapshots, hits, len(hashes), blocks_needed)
+        chosen = self.policy.choose(self._table, hits, len(hashes), blocks_needed)
         if hashes:
             self.index.record_dispatch(chosen, hashes, now)
         return chosen
 
+    def _set_row(self, replica_id: str) -> None:
+        """The replica's row of the routing table, as the real router builds its snapshot: load is
+        the requests sent and not finished; free and total KV blocks are the last report's (0, 0
+        before the first: capacity unknown, as the real router assumes)."""
+        table = self._table
+        row = table.position.get(replica_id) if table is not None else None
+        if row is None:
+            return
+        table.load[row] = self._ongoing[replica_id]
+        report = self._reports.get(replica_id)
+        if report is not None:
+            table.free[row], table.total[row] = report.num_free_kv_blocks, report.num_total_kv_blocks
+
     def _done(self, request: SimRequest) -> None:
         if request.replica_id is not None:
             self._ongoing[request.replica_id] -= 1
+            self._set_row(request.replica_id)
             draining = self.draining.get(request.replica_id)
             if draining is not None and not draining.num_unfinished:
                 del self.draining[request.replica_id]
@@ -256,6 +285,7 @@ class SimCluster:
         if report.replica_id not in self.replicas:
             return
         self._reports[report.replica_id] = report
+        self._set_row(report.replica_id)
         if self._routes_on_prefix:
             self.index.apply_report(report.replica_id, report, self.loop.now)
 

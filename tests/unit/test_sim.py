@@ -191,3 +191,15 @@ def test_capacity_plan_finds_the_fewest_replicas_meeting_the_slo(monkeypatch):
     fewer = cli.simulate(workload, cli.cluster_config(args, fewest - 1, "round_robin"), FixedSteps(0.02), "x", "x",
                          30.0, slo, args.max_duration)
     assert not cli.meets(fewer["summary"], slo)
+
+
+def test_request_latency_counts_in_ttft_and_e2e_but_not_between_tokens():
+    steps = FixedSteps(base_s=0.02)
+    plain = SimCluster(ClusterConfig(max_num_batched_tokens=512), steps).run([one_request(100, 5)]).results[0]
+    late = SimCluster(ClusterConfig(max_num_batched_tokens=512, request_latency_s=0.005), steps).run(
+        [one_request(100, 5)]).results[0]
+    assert late.ttft_s == pytest.approx(plain.ttft_s + 0.005)
+    assert late.e2e_s == pytest.approx(plain.e2e_s + 0.005)
+    assert late.tpot_s == pytest.approx(plain.tpot_s)
+    with pytest.raises(ValueError, match="request_latency_s"):
+        ClusterConfig(request_latency_s=-1.0)
