@@ -115,14 +115,14 @@ def _table(runs: list[dict]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------- plots
 
-def _new_figure(ncols: int = 1, width_in: float = 6.0):
+def new_figure(ncols: int = 1, width_in: float = 6.0):
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width_in * ncols, 4.0), dpi=DPI, layout="constrained")
     return fig, fig.subplots(1, ncols, squeeze=False)[0]
 
 
-def _save(fig, path: Path) -> str:
+def save_figure(fig, path: Path) -> str:
     fig.savefig(path, dpi=DPI)
     return path.name
 
@@ -149,7 +149,7 @@ def _plot_latency_cdf(out_dir: Path, runs: list[dict]) -> str | None:
     per_run = [(run.get("label", ""), *_ok_latencies_s(run)) for run in runs]
     if not any(ttfts or e2es for _, ttfts, e2es in per_run):
         return None
-    fig, axes = _new_figure(ncols=2)
+    fig, axes = new_figure(ncols=2)
     for column, (ax, name) in enumerate(zip(axes, ("TTFT", "E2E latency"))):
         every_value: list[float] = []
         for label, *latencies in per_run:
@@ -165,7 +165,7 @@ def _plot_latency_cdf(out_dir: Path, runs: list[dict]) -> str | None:
         ax.grid(alpha=0.3)
         if every_value:
             ax.legend(fontsize="small")
-    return _save(fig, out_dir / "latency_cdf.png")
+    return save_figure(fig, out_dir / "latency_cdf.png")
 
 
 def _sweep_points(runs: list[dict], series: Any, metric: str, key: str | None
@@ -180,7 +180,7 @@ def _plot_sweep(out_dir: Path, runs: list[dict], slo_ttft_s: float | None) -> st
     swept = [run for run in runs if run.get("rate") is not None]
     if not swept:
         return None
-    fig, (ttft_ax, tput_ax) = _new_figure(ncols=2)
+    fig, (ttft_ax, tput_ax) = new_figure(ncols=2)
     ttfts: list[float] = []
     for series in _series_order(swept):
         rates, p99s = _sweep_points(swept, series, "ttft_s", "p99")
@@ -199,7 +199,7 @@ def _plot_sweep(out_dir: Path, runs: list[dict], slo_ttft_s: float | None) -> st
     for ax in (ttft_ax, tput_ax):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    return _save(fig, out_dir / "sweep.png")
+    return save_figure(fig, out_dir / "sweep.png")
 
 
 def _timeline_column(timeline: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -210,7 +210,7 @@ def _timeline_column(timeline: list[dict], key: str) -> tuple[list[float], list[
 
 def _plot_timeline(out_dir: Path, index: int, run: dict) -> str:
     timeline = run["timeline"]
-    fig, (ax,) = _new_figure(width_in=8.0)
+    fig, (ax,) = new_figure(width_in=8.0)
     for key, name in (("num_waiting", "waiting (queue)"), ("num_running", "running")):
         ax.plot(*_timeline_column(timeline, key), label=name)
     ax.set(xlabel="time since start (s)", ylabel="requests", title=f"Timeline: {run.get('label', '')}")
@@ -228,7 +228,7 @@ def _plot_timeline(out_dir: Path, index: int, run: dict) -> str:
         more_handles, more_labels = replica_ax.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
     ax.legend(handles, labels, fontsize="small", loc="upper left")
-    return _save(fig, out_dir / f"timeline_{index}.png")
+    return save_figure(fig, out_dir / f"timeline_{index}.png")
 
 
 def _write_plots(out_dir: Path, runs: list[dict], slo_ttft_s: float | None

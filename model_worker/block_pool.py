@@ -141,7 +141,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
-        self._log_change(block_hash, True)
+        self.cache_seq += 1  # _log_change, inline: once per block a request fills
+        self._cache_events.append((block_hash, True))
 
     def uncache(self, block_id: int) -> None:
         """Drop one block from the prefix cache (its contents are invalid); it stays allocated."""

@@ -46,11 +46,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--validation-rate", type=float, default=3.0, help="req/s offered to the one real engine")
     p.add_argument("--scale-replicas", type=int, default=None, help="default 1000; quick 64")
     p.add_argument("--scale-requests", type=int, default=None, help="default 1,000,000; quick 20,000")
+    p.add_argument("--scale-rate", type=float, default=30.0,
+                   help="req/s per replica in the scale run (30: a batch of about 25 on the H100 profile)")
     p.add_argument("--routing-replicas", default=None, help="default 64,256,1000; quick 16,64")
     p.add_argument("--gpu-profile", default="llama3-8b-h100")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "sim")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)} (default all)")
     args = p.parse_args(argv)
+    args.parts = [part for part in args.parts.split(",") if part]
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        p.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
     args.validation_requests = args.validation_requests or (100 if args.quick else 300)
     args.scale_replicas = args.scale_replicas or (64 if args.quick else 1000)
     args.scale_requests = args.scale_requests or (20_000 if args.quick else 1_000_000)
@@ -156,10 +163,9 @@ def scale_workload(num_requests: int, rate: float, seed: int) -> list[BenchReque
 
 
 def scale(args: argparse.Namespace, step_model: Any) -> dict[str, Any]:
-    """Azure-trace requests over many replicas, 4 req/s each (a batch of a few dozen on the H100
-    profile)."""
+    """Azure-trace requests over many replicas at --scale-rate each, prefix-aware routing."""
     replicas, requests = args.scale_replicas, args.scale_requests
-    per_replica_rate = 4.0
+    per_replica_rate = args.scale_rate
     started_s = time.perf_counter()
     workload = scale_workload(requests, replicas * per_replica_rate, args.seed)
     build_s = time.perf_counter() - started_s
@@ -180,11 +186,14 @@ def scale(args: argparse.Namespace, step_model: Any) -> dict[str, Any]:
 
 def routing(args: argparse.Namespace, step_model: Any) -> dict[str, Any]:
     """Shared-prefix multi-turn conversations (K system prompts each shared by many users), load
-    scaled with the replica count; KV caches of 4,096 blocks hold a few prefixes each."""
+    scaled with the replica count; KV caches of 4,096 blocks hold a few prefixes each. The
+    prefix-aware run also counts what each of its reports would have cost as a snapshot, which is
+    what a run with a snapshot in every report sends (the routing is the same:
+    tests/unit/test_sim.py)."""
     out: dict[str, Any] = {}
     pool = normal_token_ids(32000, [])
     for replicas in args.routing_replicas:
-        conversations = 40 * replicas if not args.quick else 20 * replicas
+        conversations = (10 if args.quick else 20) * replicas
         arrivals = wl.arrivals(conversations, 2.0 * replicas, "poisson", args.seed)
         workload = wl.multi_turn(conversations, 4, 1024, 64, 64, arrivals, pool, args.seed, think_time_s=2.0,
                                  num_system_prompts=max(8, replicas // 2))
@@ -197,17 +206,13 @@ def routing(args: argparse.Namespace, step_model: Any) -> dict[str, Any]:
             run = SimCluster(config, step_model).run(workload)
             wall_s = time.perf_counter() - started_s
             counters = run.counters
+            per_replica_s = replicas * max(run.duration_s, 1e-9)
             row[policy] = {**figures(summarize(run.results)), "hit_rate": counters["cached_tokens"] / counters["prompt_tokens"],
-                           "report_bytes_per_replica_s": counters["report_bytes"] / replicas / max(run.duration_s, 1e-9),
+                           "report_bytes_per_replica_s": counters["report_bytes"] / per_replica_s,
+                           "snapshot_bytes_per_replica_s": counters.get("snapshot_bytes", 0.0) / per_replica_s,
                            "wall_s": wall_s, "requests": len(workload)}
             log(f"routing x{replicas} {policy}: {row[policy]}")
-        # The same prefix-aware run with a full snapshot in every report, as before deltas: the
-        # routing is the same (tests/unit/test_sim.py), the bytes are not.
-        config = ClusterConfig(num_replicas=replicas, num_kv_blocks=4096, max_num_seqs=256, max_num_batched_tokens=2048,
-                               router=RouterConfig(policy="prefix_aware"), report_mode="full",
-                               record_token_times=False, seed=args.seed)
-        run = SimCluster(config, step_model).run(workload)
-        row["report_bytes_per_replica_s_full"] = run.counters["report_bytes"] / replicas / max(run.duration_s, 1e-9)
+        row["report_bytes_per_replica_s_full"] = row["prefix_aware"]["snapshot_bytes_per_replica_s"]
         row["report_bytes_per_replica_s_delta"] = row["prefix_aware"]["report_bytes_per_replica_s"]
         log(f"routing x{replicas} reports: full {row['report_bytes_per_replica_s_full']:.0f} B/s, "
             f"delta {row['report_bytes_per_replica_s_delta']:.0f} B/s per replica")
@@ -216,6 +221,15 @@ def routing(args: argparse.Namespace, step_model: Any) -> dict[str, Any]:
 
 
 # ---- 4. warm spares ----------------------------------------------------------------------------
+
+def ttft_p90_bins(results: list, bin_s: float) -> list[tuple[float, float]]:
+    """(bin start, TTFT p90) per bin of arrival times."""
+    bins: dict[int, list[float]] = {}
+    for r in results:
+        if r.ttft_s is not None:
+            bins.setdefault(int(r.arrival_s // bin_s), []).append(r.ttft_s)
+    return [(index * bin_s, float(np.percentile(bins[index], 90))) for index in sorted(bins)]
+
 
 def recovery_s(results: list, step_s: float, slo_s: float, bin_s: float = 5.0) -> float | None:
     """Seconds after the step until every later bin of arrivals has its TTFT p90 within the SLO."""
@@ -239,7 +253,7 @@ def warm_spares(args: argparse.Namespace, step_model: Any) -> dict[str, Any]:
     times = wl.step_arrivals(phases, args.seed)
     fixed = lambda n: wl.LengthDist("fixed", n, n, n)  # noqa: E731
     workload = wl.synthetic(len(times), fixed(512), fixed(128), times, pool, args.seed)
-    out: dict[str, Any] = {"base_rate": base_rate, "step_at_s": phases[0][0], "replica_start_s": 60.0}
+    out: dict[str, Any] = {"base_rate": base_rate, "step_at_s": phases[0][0], "replica_start_s": 60.0, "slo_s": 1.0}
     for spares in (0, 1, 2):
         autoscaling = AutoscalerConfig(min_replicas=1, max_replicas=16, warm_spares=spares,
                                        target_queue_per_replica=8, ttft_slo_s=1.0, scale_down_delay_s=120.0)
@@ -248,10 +262,18 @@ def warm_spares(args: argparse.Namespace, step_model: Any) -> dict[str, Any]:
                                record_token_times=False, seed=args.seed)
         run = SimCluster(config, step_model).run(workload)
         summary = summarize(run.results)
+        bins = ttft_p90_bins(run.results, 5.0)
         out[f"spares_{spares}"] = {"recovery_s": recovery_s(run.results, phases[0][0], 1.0), **figures(summary),
-                                   "max_replicas": max(d["ready"] for d in run.decisions)}
-        log(f"warm_spares {spares}: {out[f'spares_{spares}']}")
+                                   "max_replicas": max(d["ready"] for d in run.decisions),
+                                   # For the plot: replicas ready every 5 s, TTFT p90 per 5-s bin of arrivals.
+                                   "ready": [(d["t_s"], d["ready"]) for d in run.decisions[::5]],
+                                   "ttft_p90_bins": bins}
+        log(f"warm_spares {spares}: " + str({k: v for k, v in out[f"spares_{spares}"].items()
+                                             if k not in ("ready", "ttft_p90_bins")}))
     return out
+
+
+PARTS = ("validation", "scale", "routing", "warm_spares")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -259,16 +281,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = load_step_model(args.gpu_profile)
     started_s = time.perf_counter()
-    result: dict[str, Any] = {"quick": args.quick}
-    result["validation"] = validation(args)
-    result["validation_max_rel_error"] = result["validation"]["max_rel_error"]
-    result["scale"] = scale(args, gpu)
-    result.update(scale_replicas=args.scale_replicas, scale_requests=args.scale_requests,
-                  scale_wall_s=result["scale"]["wall_s"], scale_wall_ms_per_request=result["scale"]["wall_ms_per_request"])
-    result["routing"] = routing(args, gpu)
-    result["warm_spares"] = warm_spares(args, gpu)
+    result: dict[str, Any] = {"quick": args.quick, "parts": list(args.parts)}
+    if "validation" in args.parts:
+        result["validation"] = validation(args)
+        result["validation_max_rel_error"] = result["validation"]["max_rel_error"]
+    if "scale" in args.parts:
+        result["scale"] = scale(args, gpu)
+        result.update(scale_replicas=args.scale_replicas, scale_requests=args.scale_requests,
+                      scale_wall_s=result["scale"]["wall_s"],
+                      scale_wall_ms_per_request=result["scale"]["wall_ms_per_request"])
+    if "routing" in args.parts:
+        result["routing"] = routing(args, gpu)
+    if "warm_spares" in args.parts:
+        result["warm_spares"] = warm_spares(args, gpu)
     result["wall_s"] = time.perf_counter() - started_s
-    (args.out / "sim_bench.json").write_text(json.dumps(result, indent=1))
+    (args.out / "sim_bench.json").write_text(json.dumps(finite(result), indent=1))
+    from loadtest.sim.plots import write_plots
+
+    write_plots(result, args.out)
     print(json.dumps(finite(result)), flush=True)
     return result
 

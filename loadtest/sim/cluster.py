@@ -274,6 +274,9 @@ class SimCluster:
             self.counters["reports"] += 1
             self.counters["report_bytes"] += REPORT_BASE_BYTES + REPORT_BYTES_PER_HASH * report.num_hashes
             self.counters["report_hashes"] += report.num_hashes
+            if include_hashes:  # what the same report costs as a snapshot (what it was before deltas)
+                self.counters["snapshot_bytes"] += (REPORT_BASE_BYTES + REPORT_BYTES_PER_HASH
+                                                    * replica.scheduler.kv.pool.num_cached_blocks)
             if delay:
                 self.loop.after(delay, self._deliver, report)
             else:

@@ -75,6 +75,11 @@ class SimReplica:
         self.counters = ReplicaCounters()
         self.stepping = False
         self._requests: dict[str, SimRequest] = {}
+        # Requests admitted and without a first token yet (their Request, to read its timings).
+        self._awaiting_first: dict[str, Request] = {}
+        # One SamplingParams per output length: the scheduler only reads them, and building one
+        # (it checks every field) is a good part of a simulated request's cost at 1,000,000.
+        self._params: dict[int, SamplingParams] = {}
         # LLMServer's builder: deltas of the prefix cache, a snapshot now and then.
         self.report_builder = report_builder or RoutingReportBuilder()
 
@@ -92,11 +97,18 @@ class SimReplica:
             return
         request.ticket = ticket
         bench = request.bench
-        params = SamplingParams(temperature=0.0, max_tokens=bench.output_tokens, ignore_eos=True)
-        self.scheduler.add_request(Request(request_id=bench.request_id, prompt_token_ids=list(bench.prompt_token_ids),
-                                           sampling_params=params, priority=request.priority,
-                                           timings=RequestTimings(arrival_s=self.loop.now)))
+        params = self._params.get(bench.output_tokens)
+        if params is None:
+            params = SamplingParams(temperature=0.0, max_tokens=bench.output_tokens, ignore_eos=True)
+            self._params[bench.output_tokens] = params
+        engine_request = Request(request_id=bench.request_id, prompt_token_ids=list(bench.prompt_token_ids),
+                                 sampling_params=params, priority=request.priority,
+                                 timings=RequestTimings(arrival_s=self.loop.now),
+                                 # The ingress's hashes, used as sent, as LLMEngine.add_request does.
+                                 block_hashes=list(request.block_hashes))
+        self.scheduler.add_request(engine_request)
         self._requests[bench.request_id] = request
+        self._awaiting_first[bench.request_id] = engine_request
         if not self.stepping:
             self._step()
 
@@ -123,17 +135,20 @@ class SimReplica:
         counters.steps += 1
         counters.tokens += len(progressed)
         now = self.loop.now
-        for request in progressed:
+        # First tokens: a pass over the few requests still waiting for one, not over every token.
+        firsts = [request for request in self._awaiting_first.values() if request.timings.first_token_s is not None]
+        for request in firsts:
+            del self._awaiting_first[request.request_id]
             sim = self._requests[request.request_id]
-            result = sim.result
-            if result.first_token_s is None:
-                result.first_token_s = now
-                counters.prompt_tokens += request.num_prompt_tokens
-                counters.cached_tokens += max(request.num_cached_tokens, 0)
-                if sim.ticket is not None:
-                    sim.ticket.first_token()
-            if self.record_token_times:
-                result.chunk_times_s.append(now)
+            sim.result.first_token_s = now
+            counters.prompt_tokens += request.num_prompt_tokens
+            counters.cached_tokens += max(request.num_cached_tokens, 0)
+            if sim.ticket is not None:
+                sim.ticket.first_token()
+        if self.record_token_times:
+            requests = self._requests
+            for request in progressed:
+                requests[request.request_id].result.chunk_times_s.append(now)
         for request in scheduler.take_finished():
             sim = self._requests.pop(request.request_id)
             result = sim.result

@@ -164,6 +164,8 @@ def test_delta_reports_route_exactly_as_full_snapshots_for_far_fewer_bytes():
     assert [r.finish_s for r in full.results] == [r.finish_s for r in delta.results]
     assert full.counters["cached_tokens"] == delta.counters["cached_tokens"]
     assert delta.counters["report_hashes"] < full.counters["report_hashes"] / 3
+    # Each delta run also counts what its reports would have cost as snapshots: the full run's bytes.
+    assert delta.counters["snapshot_bytes"] == full.counters["report_bytes"] == full.counters["snapshot_bytes"]
     with pytest.raises(ValueError, match="report_mode"):
         ClusterConfig(report_mode="sometimes")
 
