@@ -115,6 +115,11 @@ class KVCacheManager:
         return self._block_ids[request_id]
 
     @property
+    def block_tables(self) -> dict[str, list[int]]:
+        """request id -> its block table (block_ids of every request; read it, do not change it)."""
+        return self._block_ids
+
+    @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 

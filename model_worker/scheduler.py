@@ -40,6 +40,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self._block_tables = self.kv.block_tables
         self.waiting = RequestQueue()
         # Sorted by (priority, arrival): the preemption victim is always the last one.
         self.running: list[Request] = []
@@ -185,10 +186,12 @@ class Scheduler:
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
         end = start + num_new
-        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-        out.sequences.append(ScheduledSequence(request.request_id, request.token_slice(start, end), start,
-                                               self.kv.block_ids(request.request_id), end == num_tokens,
-                                               request.sampling_params, len(request.output_token_ids)))
+        request_id, output = request.request_id, request.output_token_ids
+        num_prompt = len(request.prompt_token_ids)
+        # A decode's token is an output token: sliced here, without token_slice's call.
+        token_ids = output[start - num_prompt:end - num_prompt] if start >= num_prompt else request.token_slice(start, end)
+        out.sequences.append(ScheduledSequence(request_id, token_ids, start, self._block_tables[request_id],
+                                               end == num_prompt + len(output), request.sampling_params, len(output)))
         request.num_computed_tokens = end
         if request.timings.first_scheduled_s is None:
             request.timings.first_scheduled_s = self.clock()
