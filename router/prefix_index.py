@@ -149,27 +149,20 @@ class PrefixIndex:
 
     def hits(self, block_hashes: Sequence[int], now_s: float) -> dict[str, int]:
         """leading_hits of every replica holding at least the chain's first block, by replica
-        (a replica left out holds none). One walk down the chain, narrowing the set of replicas
-        that hold every block so far."""
-        result: dict[str, int] = {}
-        alive: set[str] | None = None
-        for index, h in enumerate(block_hashes):
-            holders = self._holders.get(h)
-            here = set() if holders is None else ({holders} if isinstance(holders, str) else set(holders))
-            pending = self._pending.get(h)
-            if pending:
-                here.update(rid for rid, expires_s in pending.items() if expires_s > now_s)
-            if alive is None:
-                alive = here
-            else:
-                for rid in alive - here:
-                    result[rid] = index
-                alive &= here
-            if not alive:
-                return result
-        for rid in alive or ():
-            result[rid] = len(block_hashes)
-        return result
+        (a replica left out holds none): the hash index names the replicas holding the first
+        block, and only those walk the chain. At 1,000 replicas a prefix is held by a few."""
+        if not block_hashes:
+            return {}
+        return {rid: self.leading_hits(rid, block_hashes, now_s) for rid in self._holders_of(block_hashes[0], now_s)}
+
+    def _holders_of(self, block_hash: int, now_s: float) -> set[str]:
+        """Every replica holding the block: reported, or sent it and not expired."""
+        holders = self._holders.get(block_hash)
+        here = set() if holders is None else ({holders} if isinstance(holders, str) else set(holders))
+        pending = self._pending.get(block_hash)
+        if pending:
+            here.update(rid for rid, expires_s in pending.items() if expires_s > now_s)
+        return here
 
     def leading_hits(self, replica_id: str, block_hashes: Sequence[int], now_s: float) -> int:
         """How many leading blocks of the chain the replica holds (reported or recently sent)."""
