@@ -205,3 +205,18 @@ def test_request_latency_counts_in_ttft_and_e2e_but_not_between_tokens():
     assert late.tpot_s == pytest.approx(plain.tpot_s)
     with pytest.raises(ValueError, match="request_latency_s"):
         ClusterConfig(request_latency_s=-1.0)
+
+
+def test_the_run_turns_the_cycle_collector_off_and_back_on():
+    import gc
+
+    seen = []
+
+    class Probe(FixedSteps):
+        def predict(self, batch) -> float:
+            seen.append(gc.isenabled())
+            return super().predict(batch)
+
+    assert gc.isenabled()
+    SimCluster(ClusterConfig(), Probe()).run([one_request(100, 3)])
+    assert seen and not any(seen) and gc.isenabled()
