@@ -24,10 +24,12 @@ def plot_routing(routing: dict[str, Any], path: Path) -> str:
     fig, (hit_ax, ttft_ax) = new_figure(ncols=2, width_in=5.5)
     counts = sorted(int(n) for n in routing)
     for policy, color in POLICY_STYLE.items():
-        rows = [routing[str(n)][policy] for n in counts]
-        hit_ax.plot(counts, [r["hit_rate"] for r in rows], "o-", color=color, label=policy)
-        ttft_ax.plot(counts, [r["ttft_p50_s"] * 1e3 for r in rows], "o-", color=color, label=f"{policy} p50")
-        ttft_ax.plot(counts, [r["ttft_p99_s"] * 1e3 for r in rows], "o--", color=color, alpha=0.6, label=f"{policy} p99")
+        # A policy missing at some size (a run cut short) is drawn where it was run.
+        xs = [n for n in counts if policy in routing[str(n)]]
+        rows = [routing[str(n)][policy] for n in xs]
+        hit_ax.plot(xs, [r["hit_rate"] for r in rows], "o-", color=color, label=policy)
+        ttft_ax.plot(xs, [r["ttft_p50_s"] * 1e3 for r in rows], "o-", color=color, label=f"{policy} p50")
+        ttft_ax.plot(xs, [r["ttft_p99_s"] * 1e3 for r in rows], "o--", color=color, alpha=0.6, label=f"{policy} p99")
     for ax in (hit_ax, ttft_ax):
         ax.set_xscale("log")
         ax.set_xticks(counts, [str(n) for n in counts])
