@@ -51,11 +51,8 @@ class KVCacheManager:
             if num_new_blocks > 0:
                 if num_new_blocks > self.pool.num_free_blocks:
                     return False
-                new_blocks = self.pool.allocate(num_new_blocks)
-                owned.extend(new_blocks)
-                self._block_ids[request.request_id].extend(block.block_id for block in new_blocks)
-            if (cache_blocks and self.enable_caching
-                    and total_tokens // self.block_size > self._num_cached[request.request_id]):
+                self._append_new_blocks(request.request_id, owned, num_new_blocks)
+            if cache_blocks:
                 self._cache_full_blocks(request, total_tokens)
             return True
         computed_blocks = computed_blocks or []
@@ -78,20 +75,24 @@ class KVCacheManager:
             ids.extend(block.block_id for block in computed_blocks)
             self._num_cached[request.request_id] = len(owned)
         if num_new_blocks:
-            new_blocks = self.pool.allocate(num_new_blocks)
-            owned.extend(new_blocks)
-            ids.extend(block.block_id for block in new_blocks)
+            self._append_new_blocks(request.request_id, owned, num_new_blocks)
         if cache_blocks:
             self._cache_full_blocks(request, total_tokens)
         return True
 
+    def _append_new_blocks(self, request_id: str, owned: list[KVBlock], num_blocks: int) -> None:
+        new_blocks = self.pool.allocate(num_blocks)
+        owned.extend(new_blocks)
+        self._block_ids[request_id].extend(block.block_id for block in new_blocks)
+
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register blocks that are full once this step's tokens are written. Their tokens are
         known (scheduled tokens are never placeholders), so their hashes are too."""
-        if not self.enable_caching:
+        start = self._num_cached[request.request_id]
+        # Most calls (every decode step) fill no block: they stop here.
+        if not self.enable_caching or num_tokens // self.block_size <= start:
             return
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        start = self._num_cached[request.request_id]
         owned = self._blocks[request.request_id]
         for index in range(start, num_full):
             tokens = request.token_slice(index * self.block_size, (index + 1) * self.block_size)
