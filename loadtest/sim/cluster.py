@@ -258,6 +258,8 @@ class SimCluster:
             if draining is not None and not draining.num_unfinished:
                 del self.draining[request.replica_id]
         self._pending -= 1
+        if self._pending <= 0:
+            self.loop.stop()
         for follower in self._dependents.pop(request.bench.request_id, ()):
             self.loop.after(follower.arrival_s, self._submit, follower)
 
@@ -318,8 +320,7 @@ class SimCluster:
         for bench in workload:
             if bench.after_id is not None:
                 self._dependents[bench.after_id].append(bench)
-            else:
-                self.loop.at(bench.arrival_s, self._submit, bench)
+        self.loop.feed(((bench.arrival_s, bench) for bench in workload if bench.after_id is None), self._submit)
         self.loop.at(0.0, self._report_all)
         if self.config.autoscaling is not None:
             self.loop.at(0.0, self._autoscale)
@@ -330,7 +331,8 @@ class SimCluster:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            self.loop.run(until_s=max_duration_s, stop=lambda: self._pending <= 0)
+            if self._pending > 0:
+                self.loop.run(until_s=max_duration_s)  # _done stops it after the last request
         finally:
             if collecting:
                 gc.enable()

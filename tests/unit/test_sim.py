@@ -52,6 +52,38 @@ def test_event_loop_stops_at_a_time_or_a_condition():
     assert seen == [0, 1, 2, 3] and loop.now == 3.5
     loop.run(stop=lambda: len(seen) >= 6)
     assert seen == [0, 1, 2, 3, 4, 5]
+    loop.at(6.5, loop.stop)
+    loop.run()
+    assert seen == [0, 1, 2, 3, 4, 5, 6] and loop.now == 6.5
+    loop.run()
+    assert seen == list(range(10))
+
+
+def test_a_fed_stream_runs_as_if_each_item_had_been_added_first():
+    def run(fed: bool) -> list:
+        loop, seen = EventLoop(), []
+        items = [(2.0, "x"), (1.0, "y"), (1.0, "z"), (3.0, "w")]
+        if fed:
+            loop.feed(items, seen.append)
+        else:
+            for t, item in items:
+                loop.at(t, seen.append, item)
+        loop.at(1.0, seen.append, "later at 1")
+        loop.after(0.5, lambda: loop.after(1.5, seen.append, "added at 0.5 for 2"))
+        loop.run(until_s=2.5)
+        assert len(loop) == 1 and loop.now == 2.5
+        loop.run()
+        return seen + [loop.num_events]
+
+    assert run(True) == run(False) == ["y", "z", "later at 1", "x", "added at 0.5 for 2", "w", 7]
+    loop = EventLoop()
+    with pytest.raises(ValueError, match="before now"):
+        loop.feed([(-1.0, "a")], print)
+    with pytest.raises(ValueError, match="finite"):
+        loop.feed([(math.nan, "a"), (1.0, "b")], print)
+    loop.feed([], print)
+    with pytest.raises(RuntimeError, match="already"):
+        loop.feed([], print)
 
 
 def one_request(prompt_tokens: int, output_tokens: int, arrival_s: float = 0.0, request_id: str = "a") -> BenchRequest:
