@@ -53,7 +53,7 @@ class SchedulerOutput:
 
     @property
     def num_sampling(self) -> int:
-        return sum(1 for seq in self.sequences if seq.sample)
+        return [seq.sample for seq in self.sequences].count(True)
 
 
 class ModelRunner(Protocol):

@@ -95,9 +95,9 @@ class BlockPool:
         num_changes = self.cache_seq - seq
         if not 0 <= num_changes <= len(self._cache_events):
             return None
-        latest: dict[int, bool] = {}
-        for block_hash, stored in islice(reversed(self._cache_events), num_changes):
-            latest.setdefault(block_hash, stored)  # newest first: the first seen is where it is now
+        # The last num_changes, oldest first, into one dict (all in C): a later change of a hash
+        # overwrites an earlier one, so each hash ends up with where it is now.
+        latest = dict(reversed(list(islice(reversed(self._cache_events), num_changes))))
         stored_hashes = [h for h, stored in latest.items() if stored]
         removed_hashes = [h for h, stored in latest.items() if not stored]
         return stored_hashes, removed_hashes

@@ -165,18 +165,22 @@ class PrefixAware(Policy):
             return self._least_loaded(table, np.arange(len(table)))
         hit = table.hit_column(hits)
         # A replica that cannot hold the request's uncached blocks would preempt to admit it.
-        rows = np.flatnonzero(table.free >= blocks_needed - hit)
-        if not rows.size:
-            rows = np.arange(len(table))
+        # Usually every replica can: then the columns are scored as they are, not copied.
+        fits = table.free >= blocks_needed - hit
+        rows = None if fits.all() else np.flatnonzero(fits)
+        if rows is not None and not rows.size:
+            rows = None
+        load, total, free = (loads, table.total, table.free) if rows is None else (loads[rows], table.total[rows],
+                                                                                    table.free[rows])
         max_load = max(high, 1)
-        total, free = table.total[rows], table.free[rows]
-        hit_fraction = hit[rows] / num_blocks if num_blocks else np.zeros(rows.size)
-        kv_pressure = np.ones(rows.size)
-        has_total = total > 0
-        kv_pressure[has_total] = 1.0 - free[has_total] / total[has_total]
-        score = (self.config.prefix_weight * hit_fraction - self.config.load_weight * loads[rows] / max_load
+        hit_fraction = (hit if rows is None else hit[rows]) / num_blocks if num_blocks else 0.0
+        # 1 - free / total where the total is known, else 1 (full: capacity unknown).
+        kv_pressure = np.where(total > 0, 1.0 - free / np.maximum(total, 1), 1.0)
+        score = (self.config.prefix_weight * hit_fraction - self.config.load_weight * load / max_load
                  - self.config.kv_weight * kv_pressure)
-        best = rows[score >= score.max() - 1e-12]
+        best = np.flatnonzero(score >= score.max() - 1e-12)
+        if rows is not None:
+            best = rows[best]
         # rng.choice(list) draws randrange(len): the same draw, without a list of (often all) ids.
         return table.ids[int(best[self.rng.randrange(best.size)])]
 
