@@ -52,8 +52,7 @@ class KVCacheManager:
                 if num_new_blocks > self.pool.num_free_blocks:
                     return False
                 self._append_new_blocks(request.request_id, owned, num_new_blocks)
-            # _cache_full_blocks' first test, here: most calls (every decode step) fill no block.
-            if cache_blocks and total_tokens // self.block_size > self._num_cached[request.request_id]:
+            if cache_blocks:
                 self._cache_full_blocks(request, total_tokens)
             return True
         computed_blocks = computed_blocks or []

@@ -166,14 +166,14 @@ class PrefixAware(Policy):
         hit = table.hit_column(hits)
         # A replica that cannot hold the request's uncached blocks would preempt to admit it.
         # Usually every replica can: then the columns are scored as they are, not copied.
-        fits = table.free >= blocks_needed - hit
-        rows = None if fits.all() else np.flatnonzero(fits)
-        if rows is not None and not rows.size:
+        rows = np.flatnonzero(table.free >= blocks_needed - hit)
+        if rows.size in (0, len(table)):
             rows = None
-        load, total, free = (loads, table.total, table.free) if rows is None else (loads[rows], table.total[rows],
-                                                                                    table.free[rows])
+        load, total, free = loads, table.total, table.free
+        if rows is not None:
+            load, total, free, hit = load[rows], total[rows], free[rows], hit[rows]
         max_load = max(high, 1)
-        hit_fraction = (hit if rows is None else hit[rows]) / num_blocks if num_blocks else 0.0
+        hit_fraction = hit / num_blocks if num_blocks else 0.0
         # 1 - free / total where the total is known, else 1 (full: capacity unknown).
         kv_pressure = np.where(total > 0, 1.0 - free / np.maximum(total, 1), 1.0)
         score = (self.config.prefix_weight * hit_fraction - self.config.load_weight * load / max_load

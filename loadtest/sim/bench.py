@@ -162,6 +162,12 @@ def scale_workload(num_requests: int, rate: float, seed: int) -> list[BenchReque
             for i, ((p, n), o, a) in enumerate(zip(lengths, offsets.tolist(), arrivals))]
 
 
+def scale_config(num_replicas: int, policy: str, seed: int) -> ClusterConfig:
+    """The scale run's deployment: H100-sized KV caches and scheduler limits."""
+    return ClusterConfig(num_replicas=num_replicas, num_kv_blocks=8192, max_num_seqs=256, max_num_batched_tokens=2048,
+                         router=RouterConfig(policy=policy), record_token_times=False, seed=seed)
+
+
 def scale(args: argparse.Namespace, step_model: Any) -> dict[str, Any]:
     """Azure-trace requests over many replicas at --scale-rate each, prefix-aware routing."""
     replicas, requests = args.scale_replicas, args.scale_requests
@@ -169,8 +175,7 @@ def scale(args: argparse.Namespace, step_model: Any) -> dict[str, Any]:
     started_s = time.perf_counter()
     workload = scale_workload(requests, replicas * per_replica_rate, args.seed)
     build_s = time.perf_counter() - started_s
-    config = ClusterConfig(num_replicas=replicas, num_kv_blocks=8192, max_num_seqs=256, max_num_batched_tokens=2048,
-                           router=RouterConfig(policy="prefix_aware"), record_token_times=False, seed=args.seed)
+    config = scale_config(replicas, "prefix_aware", args.seed)
     started_s = time.perf_counter()
     run = SimCluster(config, step_model).run(workload)
     wall_s = time.perf_counter() - started_s

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.sim.bench import scale_workload
+from loadtest.sim.bench import scale_config, scale_workload
 from loadtest.sim.cli import load_step_model
-from loadtest.sim.cluster import ClusterConfig, SimCluster
+from loadtest.sim.cluster import SimCluster
 from loadtest.traces import BenchRequest
 from router.policy import ReplicaTable, RouterConfig, make_policy
 
@@ -50,19 +50,13 @@ def best_of(repeats: int, once: Callable[[], float]) -> float:
     return min(once() for _ in range(repeats))
 
 
-def config(policy: str) -> ClusterConfig:
-    """The scale run's replica (bench.scale), one of it."""
-    return ClusterConfig(num_replicas=1, num_kv_blocks=8192, max_num_seqs=256, max_num_batched_tokens=2048,
-                         router=RouterConfig(policy=policy), record_token_times=False, seed=0)
-
-
 def decode_us_per_token(args: argparse.Namespace, step_model: Any) -> float:
     workload = [BenchRequest(f"d{i}", tuple(range(i * 100 + 1, i * 100 + 17)), args.decode_tokens, 0.0)
                 for i in range(args.batch)]
 
     def once() -> float:
         started = time.perf_counter()
-        run = SimCluster(config("round_robin"), step_model).run(workload)
+        run = SimCluster(scale_config(1, "round_robin", 0), step_model).run(workload)
         return (time.perf_counter() - started) / run.counters["tokens"] * 1e6
 
     return best_of(args.repeats, once)
@@ -73,7 +67,7 @@ def request_ms(args: argparse.Namespace, step_model: Any) -> float:
 
     def once() -> float:
         started = time.perf_counter()
-        SimCluster(config("prefix_aware"), step_model).run(workload)
+        SimCluster(scale_config(1, "prefix_aware", 0), step_model).run(workload)
         return (time.perf_counter() - started) / len(workload) * 1e3
 
     return best_of(args.repeats, once)
