@@ -8,6 +8,13 @@ the real ones, and throughput within 10%. The bound is wide because the real sid
 2-core development VM three runs of the same 100 real requests put the engine's TPOT p50 at 8.5 to
 11.6 ms (docs/simulator.md), while the simulation is deterministic. It still fails a simulator
 that is off by a factor, or whose steps, batching or admission differ from the engine's.
+
+The development VM's speed also drifts, by up to 2x within an hour: one CI run measured the
+profile, then ran the real engine at a real TPOT p50 of 17.9 ms against the 8.0 ms that profile
+predicts. So an attempt measures the profile again right before its real run, and the test makes
+at most ATTEMPTS of them: it passes on the first attempt within every bound and fails when none is.
+A simulator that is wrong is wrong in every attempt; a machine that changed speed mid-attempt
+rarely does so three times running.
 """
 
 from __future__ import annotations
@@ -20,14 +27,34 @@ from loadtest.sim.step_model import fit, measure_profile, measure_trace_steps
 pytestmark = pytest.mark.integration
 
 BOUNDS = {"ttft_p50_s": 0.4, "tpot_p50_s": 0.4, "output_tokens_per_s": 0.1}
+ATTEMPTS = 3
 
 
-def test_short_simulated_run_matches_the_real_engine(tiny_model_dir):
+def attempt() -> dict:
+    """Measure a profile here and now, then compare one real run with its simulation."""
     grid = measure_profile("tiny", quick=True, log=lambda line: None)
     trace = measure_trace_steps("tiny", num_requests=40, log=lambda line: None)
     model = fit(grid.points + trace, objective="absolute", model="tiny", device="cpu")
     args = bench.parse_args(["--quick", "--validation-requests", "60"])
-    result = bench.validation(args, step_model=model)
+    return bench.validation(args, step_model=model)
+
+
+def out_of_bounds(result: dict) -> list[str]:
     errors = result["rel_error"]
-    for key, bound in BOUNDS.items():
-        assert errors[key] is not None and errors[key] <= bound, (key, result["real"], result["sim"])
+    return [key for key, bound in BOUNDS.items() if errors[key] is None or errors[key] > bound]
+
+
+def test_short_simulated_run_matches_the_real_engine(tiny_model_dir):
+    failed = []
+    for _ in range(ATTEMPTS):
+        result = attempt()
+        missed = out_of_bounds(result)
+        if not missed:
+            return
+        failed.append((missed, result["real"], result["sim"]))
+    pytest.fail(f"every attempt out of bounds {BOUNDS}: {failed}")
+
+
+def test_out_of_bounds_names_each_figure_past_its_bound():
+    errors = {"ttft_p50_s": 0.39, "tpot_p50_s": 0.41, "output_tokens_per_s": None}
+    assert out_of_bounds({"rel_error": errors}) == ["tpot_p50_s", "output_tokens_per_s"]
