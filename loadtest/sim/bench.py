@@ -6,7 +6,8 @@
    this machine's cores) and through one simulated replica with the tiny model's measured CPU
    profile: TTFT p50/p99, TPOT p50 and throughput side by side, and the worst relative error.
 2. scale: `--scale-replicas` replicas (1,000) and `--scale-requests` requests (1,000,000; quick:
-   64 and 20,000) of the Azure trace on the H100 profile, the simulator's wall time per request.
+   64 and 20,000) of the Azure trace on the H100 profile, the replicas in `--scale-workers` worker
+   processes (2; loadtest.sim.parallel), the simulator's wall time per request.
 3. routing at scale: a shared-prefix workload through 64, 256 and 1,000 replicas (quick: 16, 64)
    under prefix-aware, power-of-two and round-robin routing: prefix hit rate, TTFT p50/p99.
 4. warm spares: a 4x step in load with replicas that take 60 s to start, warm_spares 0, 1, 2:
@@ -32,6 +33,7 @@ from loadtest import workloads as wl
 from loadtest.results import finite, summarize
 from loadtest.sim.cli import load_step_model
 from loadtest.sim.cluster import ClusterConfig, SimCluster
+from loadtest.sim.parallel import ParallelCluster
 from loadtest.traces import (BenchRequest, LengthScaler, default_trace_path, load_azure_trace, normal_token_ids,
                              sample_lengths)
 from router.policy import RouterConfig
@@ -48,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scale-requests", type=int, default=None, help="default 1,000,000; quick 20,000")
     p.add_argument("--scale-rate", type=float, default=30.0,
                    help="req/s per replica in the scale run (30: a batch of about 25 on the H100 profile)")
+    p.add_argument("--scale-workers", type=int, default=2,
+                   help="worker processes holding the scale run's replicas (loadtest.sim.parallel); 0: all in one process")
     p.add_argument("--routing-replicas", default=None, help="default 64,256,1000; quick 16,64")
     p.add_argument("--gpu-profile", default="llama3-8b-h100")
     p.add_argument("--seed", type=int, default=0)
@@ -61,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.validation_requests = args.validation_requests or (100 if args.quick else 300)
     args.scale_replicas = args.scale_replicas or (64 if args.quick else 1000)
     args.scale_requests = args.scale_requests or (20_000 if args.quick else 1_000_000)
+    if args.scale_workers < 0:
+        p.error("--scale-workers must be >= 0")
     args.routing_replicas = [int(n) for n in (args.routing_replicas or ("16,64" if args.quick else "64,256,1000")).split(",")]
     return args
 
@@ -162,14 +168,21 @@ def scale_workload(num_requests: int, rate: float, seed: int) -> list[BenchReque
             for i, ((p, n), o, a) in enumerate(zip(lengths, offsets.tolist(), arrivals))]
 
 
+# The scale run's link between router and replicas (a handle's call, a reply): 1 ms each way, and
+# reports 1 ms late. It is also the window a parallel run's processes run without each other.
+SCALE_LINK_S = 0.001
+
+
 def scale_config(num_replicas: int, policy: str, seed: int) -> ClusterConfig:
     """The scale run's deployment: H100-sized KV caches and scheduler limits."""
     return ClusterConfig(num_replicas=num_replicas, num_kv_blocks=8192, max_num_seqs=256, max_num_batched_tokens=2048,
-                         router=RouterConfig(policy=policy), record_token_times=False, seed=seed)
+                         router=RouterConfig(policy=policy), record_token_times=False, seed=seed,
+                         link_latency_s=SCALE_LINK_S, report_delay_s=SCALE_LINK_S)
 
 
 def scale(args: argparse.Namespace, step_model: Any) -> dict[str, Any]:
-    """Azure-trace requests over many replicas at --scale-rate each, prefix-aware routing."""
+    """Azure-trace requests over many replicas at --scale-rate each, prefix-aware routing; the
+    replicas in --scale-workers processes (the same results as in one)."""
     replicas, requests = args.scale_replicas, args.scale_requests
     per_replica_rate = args.scale_rate
     started_s = time.perf_counter()
@@ -177,11 +190,14 @@ def scale(args: argparse.Namespace, step_model: Any) -> dict[str, Any]:
     build_s = time.perf_counter() - started_s
     config = scale_config(replicas, "prefix_aware", args.seed)
     started_s = time.perf_counter()
-    run = SimCluster(config, step_model).run(workload)
+    workers = args.scale_workers
+    cluster = ParallelCluster(config, step_model, workers) if workers else SimCluster(config, step_model)
+    run = cluster.run(workload)
     wall_s = time.perf_counter() - started_s
     summary = summarize(run.results)
-    log(f"scale: {replicas} replicas, {requests} requests: {wall_s:.0f} s wall ({wall_s / requests * 1e3:.2f} ms/request)")
-    return {"replicas": replicas, "requests": requests, "wall_s": wall_s, "workload_build_s": build_s,
+    log(f"scale: {replicas} replicas, {requests} requests, {workers or 'no'} worker processes: {wall_s:.0f} s wall "
+        f"({wall_s / requests * 1e3:.2f} ms/request)")
+    return {"replicas": replicas, "requests": requests, "workers": workers, "wall_s": wall_s, "workload_build_s": build_s,
             "wall_ms_per_request": wall_s / requests * 1e3, "simulated_s": run.duration_s,
             "steps": run.counters["steps"], "events": run.counters["events"], **figures(summary),
             "num_ok": summary["num_ok"]}
@@ -293,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "scale" in args.parts:
         result["scale"] = scale(args, gpu)
         result.update(scale_replicas=args.scale_replicas, scale_requests=args.scale_requests,
-                      scale_wall_s=result["scale"]["wall_s"],
+                      scale_wall_s=result["scale"]["wall_s"], scale_workers=args.scale_workers,
                       scale_wall_ms_per_request=result["scale"]["wall_ms_per_request"])
     if "routing" in args.parts:
         result["routing"] = routing(args, gpu)

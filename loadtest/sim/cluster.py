@@ -16,10 +16,12 @@ Only the forward (a step-time model, loadtest/sim/step_model.py) and the clock a
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import random
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,12 +78,17 @@ class ClusterConfig:
     # engine (HTTP proxy, ingress, handle, streaming back): added before it is routed, so it
     # counts in TTFT and end-to-end latency but not in TPOT. 0 leaves it out (an offline engine).
     request_latency_s: float = 0.0
+    # Seconds from the router to a replica (a handle's call), and from a request's end at its
+    # replica back to the router (its reply; the router's count of the replica's ongoing requests
+    # drops then). 0: at once. A parallel run (loadtest.sim.parallel) needs it > 0: it is the
+    # window each process runs without hearing from the others.
+    link_latency_s: float = 0.0
     # Per-token chunk times in the results (ITL); off at scale, where they cost memory.
     record_token_times: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("step_overhead_s", "request_latency_s"):
+        for name in ("step_overhead_s", "request_latency_s", "link_latency_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -106,6 +113,26 @@ class SimRun:
     counters: dict[str, float]
 
 
+def reports(ready: Iterable[SimReplica], draining: Iterable[SimReplica],
+            include_hashes: bool) -> tuple[int, int, list[tuple[RoutingReport, int]]]:
+    """Every ready replica's routing report now, with its cached block count, and the requests
+    waiting and running over the ready and draining ones."""
+    ready = list(ready)
+    live = ready + list(draining)
+    num_waiting, num_running = sum(r.scheduler.num_waiting for r in live), sum(r.scheduler.num_running for r in live)
+    made = [(replica.routing_report(include_hashes), replica.scheduler.kv.pool.num_cached_blocks) for replica in ready]
+    return num_waiting, num_running, made
+
+
+def make_replica(config: ClusterConfig, replica_id: str, loop: EventLoop, step_model: Any, admission: Any,
+                 events: ReplicaEvents) -> SimReplica:
+    every = 1 if config.report_mode == "full" else config.full_report_every
+    if config.step_overhead_s:
+        step_model = _WithOverhead(step_model, config.step_overhead_s)
+    return SimReplica(replica_id, loop, config.scheduler_config(), step_model, admission, events,
+                      config.record_token_times, RoutingReportBuilder(full_report_every=every))
+
+
 class _WithOverhead:
     """A step-time model plus a fixed host cost per step."""
 
@@ -114,6 +141,21 @@ class _WithOverhead:
 
     def predict(self, batch: Any) -> float:
         return self.model.predict(batch) + self.overhead_s
+
+
+@contextlib.contextmanager
+def collector_off() -> Iterator[None]:
+    """The cyclic garbage collector off while a loop runs: a run builds millions of long-lived
+    objects (blocks' token tuples, the pools' change logs, the results) and almost no reference
+    cycles, and the collector, tracing all of them again and again, took 77% of a 1,000-replica
+    run (py-spy). Reference counting frees everything else as it always does."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class SimCluster:
@@ -135,7 +177,7 @@ class SimCluster:
         self._table: ReplicaTable | None = None
         self._next_replica = 0
         self._admission = replica_policy(**config.admission)
-        self._events = ReplicaEvents(on_done=self._done)
+        self._events = ReplicaEvents(on_done=self._replica_done)
         self._pending = 0
         self._dependents: dict[str, list[BenchRequest]] = defaultdict(list)
         self._results: list[RequestResult] = []
@@ -156,11 +198,7 @@ class SimCluster:
     def _add_replica(self, replica_id: str | None = None) -> None:
         replica_id = replica_id or self._new_id()
         self.starting.pop(replica_id, None)
-        every = 1 if self.config.report_mode == "full" else self.config.full_report_every
-        step_model = self.step_model if not self.config.step_overhead_s else _WithOverhead(self.step_model,
-                                                                                        self.config.step_overhead_s)
-        replica = SimReplica(replica_id, self.loop, self.config.scheduler_config(), step_model, self._admission,
-                             self._events, self.config.record_token_times, RoutingReportBuilder(full_report_every=every))
+        replica = make_replica(self.config, replica_id, self.loop, self.step_model, self._admission, self._events)
         self.replicas[replica_id] = replica
         self._table = None
         self._every_replica.append(replica)
@@ -215,7 +253,22 @@ class SimCluster:
         request.replica_id = replica_id
         self._ongoing[replica_id] += 1
         self._set_row(replica_id)
-        self.replicas[replica_id].receive(request)
+        self._send(self.replicas[replica_id], request)
+
+    def _send(self, replica: SimReplica, request: SimRequest) -> None:
+        latency = self.config.link_latency_s
+        if latency:
+            self.loop.after(latency, replica.receive, request)
+        else:
+            replica.receive(request)
+
+    def _replica_done(self, request: SimRequest) -> None:
+        """A request's end at its replica (ok or refused), heard by the router link_latency_s later."""
+        latency = self.config.link_latency_s
+        if latency:
+            self.loop.after(latency, self._done, request)
+        else:
+            self._done(request)
 
     @property
     def _routes_on_prefix(self) -> bool:
@@ -266,26 +319,29 @@ class SimCluster:
     # ---- periodic work ----------------------------------------------------------------------
 
     def _report_all(self) -> None:
-        include_hashes = self._routes_on_prefix
-        delay = self.config.report_delay_s
-        live = list(self.replicas.values()) + list(self.draining.values())
-        self.timeline.append({"t_s": self.loop.now, "replicas": len(self.replicas),
-                              "num_waiting": sum(r.scheduler.num_waiting for r in live),
-                              "num_running": sum(r.scheduler.num_running for r in live)})
-        for replica in self.replicas.values():
-            report = replica.routing_report(include_hashes)
-            self.counters["reports"] += 1
-            self.counters["report_bytes"] += REPORT_BASE_BYTES + REPORT_BYTES_PER_HASH * report.num_hashes
-            self.counters["report_hashes"] += report.num_hashes
-            if include_hashes:  # what the same report costs as a snapshot (what it was before deltas)
-                self.counters["snapshot_bytes"] += (REPORT_BASE_BYTES + REPORT_BYTES_PER_HASH
-                                                    * replica.scheduler.kv.pool.num_cached_blocks)
-            if delay:
-                self.loop.after(delay, self._deliver, report)
-            else:
-                self._deliver(report)
+        self._record_reports(self.loop.now, *reports(self.replicas.values(), self.draining.values(),
+                                                     self._routes_on_prefix))
         if self._pending:
             self.loop.after(self.config.routing_stats_period_s, self._report_all)
+
+    def _record_reports(self, time_s: float, num_waiting: int, num_running: int,
+                        made: list[tuple[RoutingReport, int]]) -> None:
+        """The reports made at time_s (with the replicas' cached block counts), and the load they
+        saw: counted, put on the timeline, and delivered report_delay_s later."""
+        delay = self.config.report_delay_s
+        counters = self.counters
+        self.timeline.append({"t_s": time_s, "replicas": len(self.replicas), "num_waiting": num_waiting,
+                              "num_running": num_running})
+        for report, num_cached_blocks in made:
+            counters["reports"] += 1
+            counters["report_bytes"] += REPORT_BASE_BYTES + REPORT_BYTES_PER_HASH * report.num_hashes
+            counters["report_hashes"] += report.num_hashes
+            if self._routes_on_prefix:  # what the same report costs as a snapshot (what it was before deltas)
+                counters["snapshot_bytes"] += REPORT_BASE_BYTES + REPORT_BYTES_PER_HASH * num_cached_blocks
+            if delay:
+                self.loop.at(time_s + delay, self._deliver, report)
+            else:
+                self._deliver(report)
 
     def _deliver(self, report: RoutingReport) -> None:
         if report.replica_id not in self.replicas:
@@ -316,31 +372,27 @@ class SimCluster:
     def run(self, workload: list[BenchRequest], max_duration_s: float = math.inf) -> SimRun:
         """Every request of the workload through the cluster; requests still open at
         max_duration_s are reported unfinished (status 0), as the HTTP client cuts a run off."""
+        self._load(workload)
+        self.loop.at(0.0, self._report_all)
+        if self.config.autoscaling is not None:
+            self.loop.at(0.0, self._autoscale)
+        with collector_off():
+            if self._pending > 0:
+                self.loop.run(until_s=max_duration_s)  # _done stops it after the last request
+        return self._collect(workload, [r.counters for r in self._every_replica], self.loop.num_events)
+
+    def _load(self, workload: list[BenchRequest]) -> None:
         self._pending = len(workload)
         for bench in workload:
             if bench.after_id is not None:
                 self._dependents[bench.after_id].append(bench)
         self.loop.feed(((bench.arrival_s, bench) for bench in workload if bench.after_id is None), self._submit)
-        self.loop.at(0.0, self._report_all)
-        if self.config.autoscaling is not None:
-            self.loop.at(0.0, self._autoscale)
-        # The cyclic garbage collector is off while the loop runs: a run builds millions of
-        # long-lived objects (blocks' token tuples, the pools' change logs, the results) and almost
-        # no reference cycles, and the collector, tracing all of them again and again, took 77% of
-        # a 1,000-replica run (py-spy). Reference counting frees everything else as it always does.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            if self._pending > 0:
-                self.loop.run(until_s=max_duration_s)  # _done stops it after the last request
-        finally:
-            if collecting:
-                gc.enable()
+
+    def _collect(self, workload: list[BenchRequest], replica_counters: list[Any], num_events: int) -> SimRun:
         counters = dict(self.counters)
-        everyone = self._every_replica
         for name in ("steps", "busy_s", "tokens", "preemptions", "refused", "prompt_tokens", "cached_tokens"):
-            counters[name] = counters.get(name, 0.0) + sum(getattr(r.counters, name) for r in everyone)
-        counters["events"] = self.loop.num_events
+            counters[name] = counters.get(name, 0.0) + sum(getattr(c, name) for c in replica_counters)
+        counters["events"] = num_events
         by_id = {r.request_id: r for r in self._results}
         results = [by_id.get(b.request_id) or RequestResult(b.request_id, priority=b.priority, arrival_s=b.arrival_s)
                    for b in workload]
