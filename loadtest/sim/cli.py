@@ -70,7 +70,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--plan", action="store_true", help="find the fewest replicas (1..--max-replicas) meeting the SLO")
     p.add_argument("--slo-ttft", type=float, default=None, help="goodput and --plan: TTFT bound, seconds")
     p.add_argument("--slo-tpot", type=float, default=None, help="goodput and --plan: TPOT bound, seconds")
-    p.add_argument("--max-duration", type=float, default=3600.0, help="simulated seconds per run before cutting off")
+    p.add_argument("--link-latency", type=float, default=0.0,
+                   help="seconds from the router to a replica and from a request's end back to the router")
+    p.add_argument("--workers", type=int, default=0,
+                   help="worker processes holding the replicas (needs --link-latency > 0 and --report-delay >= it; "
+                        "the same results as 0, one process)")
+    p.add_argument("--max-duration", type=float, default=None,
+                   help="simulated seconds per run before cutting off (default 3600; not with --workers)")
     p.add_argument("--label", default="sim", help="series name in the report")
     p.add_argument("--out", type=Path, default=Path("sim_out"))
 
@@ -85,14 +91,22 @@ def cluster_config(args: argparse.Namespace, replicas: int, policy: str) -> Clus
                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                          num_replicas=replicas, router=RouterConfig(policy=policy),
                          routing_stats_period_s=args.report_period, report_delay_s=args.report_delay,
-                         autoscaling=autoscaling, replica_start_s=args.replica_start_s, seed=args.seed)
+                         autoscaling=autoscaling, replica_start_s=args.replica_start_s, seed=args.seed,
+                         link_latency_s=args.link_latency)
 
 
 def simulate(workload: list[BenchRequest], config: ClusterConfig, step_model: Any, label: str, series: str,
-             rate: float | None, slo: SLO, max_duration_s: float) -> dict[str, Any]:
+             rate: float | None, slo: SLO, max_duration_s: float | None, workers: int = 0) -> dict[str, Any]:
     """One simulated run: the run dict `iterserve bench` writes, with the simulator's counters."""
     started_s = time.perf_counter()
-    run: SimRun = SimCluster(config, step_model).run(workload, max_duration_s)
+    if workers:
+        from loadtest.sim.parallel import ParallelCluster
+
+        if max_duration_s is not None:
+            raise ValueError("--max-duration cuts a run off in one process only: leave it out with --workers")
+        run: SimRun = ParallelCluster(config, step_model, workers).run(workload)
+    else:
+        run = SimCluster(config, step_model).run(workload, 3600.0 if max_duration_s is None else max_duration_s)
     wall_s = time.perf_counter() - started_s
     counters = dict(run.counters, wall_s=wall_s, wall_s_per_request=wall_s / max(len(workload), 1))
     return {"label": label, "series": series, "rate": rate, "concurrency": None,
@@ -120,7 +134,7 @@ def plan(workload: list[BenchRequest], args: argparse.Namespace, step_model: Any
     def run(n: int) -> bool:
         if n not in runs:
             runs[n] = simulate(workload, cluster_config(args, n, policy), step_model, f"{args.label} {policy} x{n}",
-                               f"{policy} x{n}", rate, slo, args.max_duration)
+                               f"{policy} x{n}", rate, slo, args.max_duration, args.workers)
             print(summary_line(runs[n]), flush=True)
         return meets(runs[n]["summary"], slo)
 
@@ -168,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
             for n in replica_counts:
                 label = f"{args.label} {policy} x{n}" + (f" @ {rate:g} req/s" if rate else "")
                 runs.append(simulate(workload, cluster_config(args, n, policy), step_model, label, f"{policy} x{n}",
-                                     rate, slo, args.max_duration))
+                                     rate, slo, args.max_duration, args.workers))
                 print(summary_line(runs[-1]), flush=True)
     write_outputs(args.out, runs)
     report = write_report(args.out, f"iterserve simulate: {args.workload}", runs, notes=notes, slo_ttft_s=args.slo_ttft)

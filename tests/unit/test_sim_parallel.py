@@ -111,3 +111,23 @@ class Dies:
 def test_a_worker_that_dies_ends_the_run_with_an_error_not_a_hang():
     with pytest.raises(RuntimeError, match="simulator worker"):
         ParallelCluster(config(), Dies()).run(scale_workload(20, 10.0, seed=0))
+
+
+def test_the_simulate_command_runs_with_workers_to_the_same_summary():
+    import argparse
+
+    from loadtest.results import SLO
+    from loadtest.sim import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    base = ["simulate", "--link-latency", "0.001", "--report-delay", "0.001", "--profile", "llama3-8b-h100"]
+    one = parser.parse_args(base)
+    two = parser.parse_args(base + ["--workers", "2"])
+    workload = scale_workload(300, 60.0, seed=5)
+    model = load_step_model("llama3-8b-h100")
+    runs = [cli.simulate(workload, cli.cluster_config(args, 3, "prefix_aware"), model, "x", "x", 60.0, SLO(),
+                         args.max_duration, args.workers) for args in (one, two)]
+    assert runs[0]["summary"] == runs[1]["summary"] and runs[0]["results"] == runs[1]["results"]
+    with pytest.raises(ValueError, match="max-duration"):
+        cli.simulate(workload, cli.cluster_config(two, 3, "prefix_aware"), model, "x", "x", 60.0, SLO(), 10.0, 2)
