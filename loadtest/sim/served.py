@@ -217,6 +217,28 @@ def simulate(config: ClusterConfig, step_model: Any, workload: list[BenchRequest
     return run, figures(summarize(run.results))
 
 
+# Seeds of the simulated router's random draws over which a random policy's figures are spread.
+SPREAD_SEEDS = 20
+
+
+def seed_spread(config_for: Any, step_model: Any, workload: list[BenchRequest], real: dict[str, float | None],
+                real_hits: float, seeds: int = SPREAD_SEEDS) -> dict[str, Any]:
+    """A random policy's simulated figures over `seeds` random streams (config_for(seed) gives
+    each run's config): the real run drew one stream of its own, so its figures are one sample of
+    that spread, and `within` says, per figure, whether the real one lies inside it."""
+    runs = [simulate(config_for(seed), step_model, workload) for seed in range(seeds)]
+    spread: dict[str, Any] = {}
+    for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "output_tokens_per_s"):
+        values = [sim[key] for _, sim in runs if sim[key] is not None]
+        spread[key] = [min(values), max(values)] if values else None
+    hits = [hit_rate(run) for run, _ in runs]
+    spread["hit_rate"] = [min(hits), max(hits)]
+    within = {key: real.get(key) is not None and lo <= real[key] <= hi
+              for key, (lo, hi) in ((k, v) for k, v in spread.items() if v is not None and k != "hit_rate")}
+    within["hit_rate"] = spread["hit_rate"][0] <= real_hits <= spread["hit_rate"][1]
+    return {"seeds": seeds, "range": spread, "within": within}
+
+
 def hit_rate(run: SimRun) -> float:
     return run.counters["cached_tokens"] / max(run.counters["prompt_tokens"], 1.0)
 
@@ -284,6 +306,10 @@ def multi_turn(args: argparse.Namespace, base: str, pool: np.ndarray, step_model
         run, sim = simulate(cluster_config(spec, max_len, seed=args.seed, **calibrated), step_model, workload)
         cases[name] = compare(real, sim, requests=len(workload), policy=policy, hit_rate_real=real_hits,
                               hit_rate_sim=hit_rate(run))
+        if policy == "pow2":  # a random policy: one simulated stream against the real one is one sample
+            cases[name]["seed_spread"] = seed_spread(
+                lambda seed, spec=spec, max_len=max_len: cluster_config(spec, max_len, seed=seed, **calibrated),
+                step_model, workload, real, real_hits)
         log_case(name, cases[name])
     three = {p: cases[f"multi_turn_x3_{p}"] for p in POLICIES}
     ttft = {side: {p: c[side]["ttft_p50_s"] for p, c in three.items()} for side in ("real", "sim")}

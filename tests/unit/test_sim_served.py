@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
+from loadtest.results import summarize
 from loadtest.sim.cluster import SimCluster
 from loadtest.sim.served import (PaddedStepModel, autoscaler_config, cluster_config, compare, max_rel_error,
-                                 overhead_gap, ranking, rankings_agree)
+                                 overhead_gap, ranking, rankings_agree, seed_spread)
 from loadtest.traces import BenchRequest
 
 
@@ -96,6 +97,22 @@ def test_cluster_config_takes_the_deployments_limits_router_and_admission():
         cluster_config({"model": "tiny"}, 2048)
     scaling = autoscaler_config({"min_replicas": 1, "max_replicas": 3, "initial_replicas": 1, "ttft_slo_s": 0.5})
     assert (scaling.max_replicas, scaling.ttft_slo_s) == (3, 0.5)
+
+
+def test_a_random_policys_spread_over_seeds_says_whether_the_real_run_lies_in_it():
+    app = {"model": "tiny", "num_replicas": 3, "engine_args": {"num_kv_blocks": 64, "max_num_seqs": 2},
+           "router": {"policy": "pow2"}}
+    workload = [BenchRequest(f"r{i}", tuple(range(1 + i, 33 + i)), 8, 0.01 * i) for i in range(30)]
+    model = PaddedStepModel(Forward(0.001), 0.05)
+    sims = [SimCluster(cluster_config(app, 2048, seed=seed), model).run(workload) for seed in range(6)]
+    p99s = sorted(summarize(run.results)["ttft_s"]["p99"] for run in sims)
+    assert p99s[0] < p99s[-1]  # the draws matter: a spread, not one value
+    real = {"ttft_p50_s": None, "ttft_p99_s": (p99s[0] + p99s[-1]) / 2, "tpot_p50_s": 1.0,
+            "output_tokens_per_s": 1e9}
+    spread = seed_spread(lambda seed: cluster_config(app, 2048, seed=seed), model, workload, real, 2.0, seeds=6)
+    assert spread["range"]["ttft_p99_s"] == [pytest.approx(p99s[0]), pytest.approx(p99s[-1])]
+    assert spread["within"] == {"ttft_p50_s": False, "ttft_p99_s": True, "tpot_p50_s": False,
+                                "output_tokens_per_s": False, "hit_rate": False}
 
 
 def test_importing_the_module_imports_neither_torch_nor_ray():
