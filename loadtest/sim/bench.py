@@ -46,6 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smaller runs (a few minutes)")
     p.add_argument("--validation-requests", type=int, default=None, help="default 300; quick 100")
     p.add_argument("--validation-rate", type=float, default=3.0, help="req/s offered to the one real engine")
+    p.add_argument("--validation-profile", default="here",
+                   help="the tiny model's step-time profile for the validation: 'here' measures one on this machine "
+                        "first (a shipped profile describes the machine it was measured on), else a shipped name or a "
+                        "JSON file")
     p.add_argument("--scale-replicas", type=int, default=None, help="default 1000; quick 64")
     p.add_argument("--scale-requests", type=int, default=None, help="default 1,000,000; quick 20,000")
     p.add_argument("--scale-rate", type=float, default=30.0,
@@ -148,6 +152,21 @@ def validation(args: argparse.Namespace, step_model: Any = None) -> dict[str, An
     return {"requests": len(workload), "rate": args.validation_rate, "real": real, "sim": sim, "rel_error": errors,
             "max_rel_error": max(e for e in errors.values() if e is not None), "real_wall_s": real_wall_s,
             "step_overhead_s": overhead_s, "step_overhead_s_in_compared_run": overhead_check_s}
+
+
+def validation_profile(args: argparse.Namespace) -> Any:
+    """The named profile, or ('here') one measured now from the tiny model's runner: a grid of step
+    shapes and the steps of a short real run of other requests, as the integration test does."""
+    if args.validation_profile != "here":
+        return load_step_model(args.validation_profile)
+    from loadtest.sim.step_model import fit, measure_profile, measure_trace_steps
+
+    started_s = time.perf_counter()
+    grid = measure_profile("tiny", quick=args.quick, log=lambda line: None)
+    trace = measure_trace_steps("tiny", num_requests=40, log=lambda line: None)
+    model = fit(grid.points + trace, objective="absolute", model="tiny", device="cpu")
+    log(f"validation: profile measured here in {time.perf_counter() - started_s:.0f} s, {len(grid.points + trace)} steps")
+    return model
 
 
 # ---- 2. scale --------------------------------------------------------------------------------
@@ -304,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started_s = time.perf_counter()
     result: dict[str, Any] = {"quick": args.quick, "parts": list(args.parts)}
     if "validation" in args.parts:
-        result["validation"] = validation(args)
+        result["validation"] = validation(args, validation_profile(args))
         result["validation_max_rel_error"] = result["validation"]["max_rel_error"]
     if "scale" in args.parts:
         result["scale"] = scale(args, gpu)
