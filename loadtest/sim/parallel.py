@@ -115,6 +115,7 @@ class ParallelCluster(SimCluster):
             raise ValueError("a parallel run has a fixed replica count: autoscaling needs one process")
         self.workers = workers
         self._order: list[str] = []
+        self._position: dict[str, int] = {}  # replica id -> its index in _order (the report order)
         self._outbox: list[list[tuple[float, str, SimRequest]]] = [[] for _ in range(workers)]
         self._sent: dict[str, SimRequest] = {}
         super().__init__(config, step_model)
@@ -122,6 +123,7 @@ class ParallelCluster(SimCluster):
     def _add_replica(self, replica_id: str | None = None) -> None:
         replica_id = replica_id or self._new_id()
         self.replicas[replica_id] = _Remote(replica_id, len(self._order) % self.workers)  # type: ignore[assignment]
+        self._position[replica_id] = len(self._order)
         self._order.append(replica_id)
         self._table = None
 
@@ -142,7 +144,7 @@ class ParallelCluster(SimCluster):
         ended = sorted((f for answer in answers for f in answer[1]), key=lambda f: f[0])
         for fields in ended:
             self.loop.at(fields[0] + latency, self._remote_done, fields)
-        position = {rid: i for i, rid in enumerate(self._order)}
+        position = self._position
         for made in zip(*(answer[2] for answer in answers)):  # each shard reports at the same times
             time_s = made[0][0]
             if time_s >= until_s:

@@ -233,9 +233,9 @@ def seed_spread(config_for: Any, step_model: Any, workload: list[BenchRequest], 
         spread[key] = [min(values), max(values)] if values else None
     hits = [hit_rate(run) for run, _ in runs]
     spread["hit_rate"] = [min(hits), max(hits)]
-    within = {key: real.get(key) is not None and lo <= real[key] <= hi
-              for key, (lo, hi) in ((k, v) for k, v in spread.items() if v is not None and k != "hit_rate")}
-    within["hit_rate"] = spread["hit_rate"][0] <= real_hits <= spread["hit_rate"][1]
+    observed = {**real, "hit_rate": real_hits}
+    within = {key: observed.get(key) is not None and bounds[0] <= observed[key] <= bounds[1]
+              for key, bounds in spread.items() if bounds is not None}
     return {"seeds": seeds, "range": spread, "within": within}
 
 

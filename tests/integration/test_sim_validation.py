@@ -22,7 +22,6 @@ from __future__ import annotations
 import pytest
 
 from loadtest.sim import bench
-from loadtest.sim.step_model import fit, measure_profile, measure_trace_steps
 
 pytestmark = pytest.mark.integration
 
@@ -32,11 +31,8 @@ ATTEMPTS = 3
 
 def attempt() -> dict:
     """Measure a profile here and now, then compare one real run with its simulation."""
-    grid = measure_profile("tiny", quick=True, log=lambda line: None)
-    trace = measure_trace_steps("tiny", num_requests=40, log=lambda line: None)
-    model = fit(grid.points + trace, objective="absolute", model="tiny", device="cpu")
-    args = bench.parse_args(["--quick", "--validation-requests", "60"])
-    return bench.validation(args, step_model=model)
+    args = bench.parse_args(["--quick", "--validation-requests", "60"])  # --validation-profile here
+    return bench.validation(args, bench.validation_profile(args))
 
 
 def out_of_bounds(result: dict) -> list[str]:
