@@ -115,11 +115,12 @@ def _table(runs: list[dict]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------- plots
 
-def new_figure(ncols: int = 1, width_in: float = 6.0):
+def new_figure(ncols: int = 1, width_in: float = 6.0, nrows: int = 1):
+    """A figure and its axes, row by row in one flat array."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width_in * ncols, 4.0), dpi=DPI, layout="constrained")
-    return fig, fig.subplots(1, ncols, squeeze=False)[0]
+    fig = Figure(figsize=(width_in * ncols, 4.0 * nrows), dpi=DPI, layout="constrained")
+    return fig, fig.subplots(nrows, ncols, squeeze=False).ravel()
 
 
 def save_figure(fig, path: Path) -> str:

@@ -1,10 +1,13 @@
 """The figures of docs/simulator.md, drawn from `python -m loadtest.sim.bench`'s sim_bench.json.
 
     python -m loadtest.sim.plots bench_results/sim/sim_bench.json docs/img/sim
+    python -m loadtest.sim.plots --served bench_results/sim_served/served_samples.json docs/img/sim/served_validation.png
 
 Draws what the JSON holds (a part that was not run is skipped): routing at scale (prefix hit rate
 and TTFT by replica count and policy), warm spares (replicas ready and TTFT p90 over time after
-the step) and report traffic (bytes per replica per second as snapshots and as deltas).
+the step) and report traffic (bytes per replica per second as snapshots and as deltas); with
+--served, `loadtest.sim.served`'s samples: each case's TTFT CDF, real against simulated, and the
+autoscaling case's replicas over time.
 Uses loadtest.report's figure helpers (matplotlib without pyplot, imported only here).
 """
 
@@ -83,6 +86,41 @@ def plot_report_traffic(routing: dict[str, Any], path: Path) -> str:
     return save_figure(fig, path)
 
 
+def plot_served_validation(samples: dict[str, Any], path: Path) -> str:
+    """One TTFT CDF per case (real solid, simulated dashed), then the autoscaling replica timelines."""
+    cases = [name for name in samples if samples[name].get("real") or samples[name].get("sim")]
+    timeline = "replicas_real" in samples.get("autoscale", {})
+    panels = len(cases) + timeline
+    ncols = min(4, max(panels, 1))
+    fig, axes = new_figure(ncols=ncols, width_in=3.6, nrows=-(-max(panels, 1) // ncols))
+    for ax, name in zip(axes, cases):
+        for side, style in (("real", "-"), ("sim", "--")):
+            xs = samples[name].get(side) or []
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], style, label=f"{side} ({len(xs)})")
+        ax.set_xscale("log")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("TTFT (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    if timeline:
+        ax = axes[len(cases)]
+        scaling = samples["autoscale"]
+        for key, label, style in (("replicas_real", "real", "-"), ("replicas_sim", "sim", "--")):
+            rows = scaling[key]
+            if rows:
+                ax.step([r[0] for r in rows], [r[1] for r in rows], style, where="post", label=f"{label} ready")
+                ax.step([r[0] for r in rows], [r[2] for r in rows], style, where="post", alpha=0.4,
+                        label=f"{label} asked for")
+        ax.set_title("autoscale: replicas", fontsize=9)
+        ax.set_xlabel("seconds from the load's start")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[panels:]:
+        ax.set_visible(False)
+    return save_figure(fig, path)
+
+
 def write_plots(result: dict[str, Any], out_dir: Path) -> list[str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -96,6 +134,9 @@ def write_plots(result: dict[str, Any], out_dir: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 3 and argv[0] == "--served":
+        print(plot_served_validation(json.loads(Path(argv[1]).read_text())["cases"], Path(argv[2])))
+        return 0
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2

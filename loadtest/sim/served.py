@@ -35,7 +35,9 @@ rankings are reported too.
 
 Prints real vs sim per case and the relative errors to stderr; the last stdout line is one JSON
 object (per case figures, max_rel_error, ranking_match, the calibrated scalars), also written to
-OUT/served_validation.json. Ray and torch are imported inside the functions that need them.
+OUT/served_validation.json. Every request's TTFT per case, real and simulated, and the autoscaling
+case's replica timelines go to OUT/served_samples.json, drawn as OUT/served_validation.png
+(`python -m loadtest.sim.plots --served OUT/served_samples.json PNG` redraws it). Ray and torch are imported inside the functions that need them.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ import numpy as np
 
 from autoscaler.policy import AutoscalerConfig
 from loadtest import workloads as wl
-from loadtest.results import finite, summarize
+from loadtest.results import RequestResult, finite, summarize
 from loadtest.sim.bench import figures, rel_errors, trace_workload
 from loadtest.sim.cli import load_step_model
 from loadtest.sim.cluster import ClusterConfig, SimCluster, SimRun
@@ -149,7 +151,8 @@ def compare(real: dict[str, float | None], sim: dict[str, float | None], **extra
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer requests (21 min measured on the shared 2-core VM)")
+    p.add_argument("--quick", action="store_true", help="fewer requests: 10 min here, against 23 min for the full run; its TTFT p99 of 72 "
+                   "multi-turn requests and p50 of a 60-s step are small samples (docs/simulator.md)")
     # 100 ms: a padded step is 10-20x the tiny model's decode forward at one thread, and with
     # max_num_batched_tokens 256 a prompt chunk's forward is 30-55 ms, so 3 replicas on 2 cores are
     # paced by the pad. (At 50 ms and 512-token chunks the first run was CPU-bound at 3 replicas:
@@ -196,8 +199,15 @@ def deploy(args_dict: dict[str, Any]) -> int:
     return int(handle.model_info.remote().result().max_model_len)
 
 
-def real_run(base: str, label: str, workload: list[BenchRequest]) -> tuple[dict[str, float | None], float]:
-    """Figures of the workload over HTTP, and the prefix-cache hit rate (/metrics counters)."""
+def ttfts(results: list[RequestResult]) -> list[float]:
+    """Every answered request's TTFT, sorted (a CDF's x values)."""
+    return sorted(r.ttft_s for r in results if r.ok and r.ttft_s is not None)
+
+
+def real_run(base: str, label: str, workload: list[BenchRequest]
+             ) -> tuple[dict[str, float | None], float, list[RequestResult]]:
+    """Figures of the workload over HTTP, the prefix-cache hit rate (/metrics counters) and the
+    requests' results."""
     from loadtest.bench_cli import measure
     from loadtest.bench_routing import prefix_counters
     from loadtest.client import ClientConfig
@@ -209,7 +219,8 @@ def real_run(base: str, label: str, workload: list[BenchRequest]) -> tuple[dict[
     _, hits1, queries1 = prefix_counters(base)
     summary = run["summary"]
     log(f"  real {label}: {len(workload)} requests, {summary['num_ok']} ok, {time.monotonic() - started_s:.0f} s")
-    return figures(summary), (hits1 - hits0) / max(queries1 - queries0, 1.0)
+    results = [RequestResult.from_dict(r) for r in run["results"]]
+    return figures(summary), (hits1 - hits0) / max(queries1 - queries0, 1.0), results
 
 
 def simulate(config: ClusterConfig, step_model: Any, workload: list[BenchRequest]) -> tuple[SimRun, dict[str, Any]]:
@@ -260,12 +271,12 @@ def log_case(name: str, case: dict[str, Any]) -> None:
 # ---- the cases --------------------------------------------------------------------------------
 
 def calibrate_and_trace(args: argparse.Namespace, base: str, pool: np.ndarray, step_model: PaddedStepModel,
-                        cases: dict[str, Any]) -> dict[str, float]:
+                        cases: dict[str, Any], samples: dict[str, Any]) -> dict[str, float]:
     """The calibration run, then trace_x1, on one deployment (calibration first: it warms up)."""
     spec = app_args(args, 1024, replicas=1)
     max_len = deploy(spec)
     calibration = trace_workload(args.calibration_requests, args.trace_rate, pool, args.seed + 1)
-    real, _ = real_run(base, "calibration", calibration)
+    real, _, _ = real_run(base, "calibration", calibration)
     _, bare = simulate(cluster_config(spec, max_len, seed=args.seed), step_model, calibration)
     step_overhead_s = overhead_gap(real["tpot_p50_s"], bare["tpot_p50_s"])
     _, stepped = simulate(cluster_config(spec, max_len, step_overhead_s=step_overhead_s, seed=args.seed), step_model,
@@ -278,9 +289,10 @@ def calibrate_and_trace(args: argparse.Namespace, base: str, pool: np.ndarray, s
             spec = app_args(args, 1024, replicas=3)
             max_len = deploy(spec)
         workload = trace_workload(args.trace_requests * replicas, args.trace_rate * replicas, pool, args.seed)
-        real, _ = real_run(base, f"trace x{replicas}", workload)
-        _, sim = simulate(cluster_config(spec, max_len, seed=args.seed, **calibrated), step_model, workload)
+        real, _, real_results = real_run(base, f"trace x{replicas}", workload)
+        run, sim = simulate(cluster_config(spec, max_len, seed=args.seed, **calibrated), step_model, workload)
         cases[f"trace_x{replicas}"] = compare(real, sim, requests=len(workload))
+        samples[f"trace_x{replicas}"] = {"real": ttfts(real_results), "sim": ttfts(run.results)}
         log_case(f"trace_x{replicas}", cases[f"trace_x{replicas}"])
     return calibrated
 
@@ -294,7 +306,7 @@ def multi_turn_workload(args: argparse.Namespace, pool: np.ndarray) -> list[Benc
 
 
 def multi_turn(args: argparse.Namespace, base: str, pool: np.ndarray, step_model: PaddedStepModel,
-               calibrated: dict[str, float], cases: dict[str, Any]) -> dict[str, Any]:
+               calibrated: dict[str, float], cases: dict[str, Any], samples: dict[str, Any]) -> dict[str, Any]:
     """320 KV blocks a replica (bench_routing's): 5 of the 8 system prompts, so routing matters."""
     workload = multi_turn_workload(args, pool)
     runs = [(1, "prefix_aware")] + [(3, policy) for policy in POLICIES]
@@ -302,10 +314,11 @@ def multi_turn(args: argparse.Namespace, base: str, pool: np.ndarray, step_model
         name = f"multi_turn_x{replicas}" + (f"_{policy}" if replicas > 1 else "")
         spec = app_args(args, 320, policy, replicas)
         max_len = deploy(spec)
-        real, real_hits = real_run(base, name, workload)
+        real, real_hits, real_results = real_run(base, name, workload)
         run, sim = simulate(cluster_config(spec, max_len, seed=args.seed, **calibrated), step_model, workload)
         cases[name] = compare(real, sim, requests=len(workload), policy=policy, hit_rate_real=real_hits,
                               hit_rate_sim=hit_rate(run))
+        samples[name] = {"real": ttfts(real_results), "sim": ttfts(run.results)}
         if policy == "pow2":  # a random policy: one simulated stream against the real one is one sample
             cases[name]["seed_spread"] = seed_spread(
                 lambda seed, spec=spec, max_len=max_len: cluster_config(spec, max_len, seed=seed, **calibrated),
@@ -325,7 +338,7 @@ def multi_turn(args: argparse.Namespace, base: str, pool: np.ndarray, step_model
 
 
 def autoscale(args: argparse.Namespace, base: str, pool: np.ndarray, step_model: PaddedStepModel,
-              calibrated: dict[str, float], cases: dict[str, Any]) -> None:
+              calibrated: dict[str, float], cases: dict[str, Any], samples: dict[str, Any]) -> None:
     """bench_autoscaling's step load with max_replicas 3: 4 seats a replica, 64-token prompts,
     16-token answers; C = 60% of one replica's seat throughput, 1x -> 4x -> 1x of C."""
     from autoscaler.serve_policy import METRICS_INTERVAL_S
@@ -346,12 +359,12 @@ def autoscale(args: argparse.Namespace, base: str, pool: np.ndarray, step_model:
     watch.wait_for(1)
     watch.t0 = time.monotonic()
     watch.samples.clear()
-    real, _ = real_run(base, "autoscale", workload)
-    samples = watch.stop()
-    colds = cold_starts_s(samples)
+    real, _, real_results = real_run(base, "autoscale", workload)
+    watched = watch.stop()
+    colds = cold_starts_s(watched)
     # Replicas running at most, and asked for at most (running + starting in Serve; the target in the sim).
-    real_max = max((s[1] for s in samples), default=0)
-    real_asked = max((s[2] for s in samples), default=0)
+    real_max = max((s[1] for s in watched), default=0)
+    real_asked = max((s[2] for s in watched), default=0)
     if not colds:
         raise RuntimeError("the real run started no replica: no cold start to give the simulator")
     start_s = statistics.median(colds)
@@ -365,6 +378,10 @@ def autoscale(args: argparse.Namespace, base: str, pool: np.ndarray, step_model:
                                  max_replicas_match=real_max == sim_max, max_asked_real=real_asked,
                                  max_asked_sim=sim_asked)
     log_case("autoscale", cases["autoscale"])
+    # Timelines from the load's start: (t, running, asked for) real, (t, ready, target) simulated.
+    samples["autoscale"] = {"real": ttfts(real_results), "sim": ttfts(run.results),
+                            "replicas_real": [list(s) for s in watched],
+                            "replicas_sim": [[d["t_s"], d["ready"], d["target"]] for d in run.decisions]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -377,11 +394,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     step_model = PaddedStepModel(load_step_model(args.profile), args.pad)
     pool = token_pool("tiny")
     cases: dict[str, Any] = {}
+    samples: dict[str, Any] = {}
     base = start_local_serve()
     try:
-        calibrated = calibrate_and_trace(args, base, pool, step_model, cases)
-        rankings = multi_turn(args, base, pool, step_model, calibrated, cases)
-        autoscale(args, base, pool, step_model, calibrated, cases)
+        calibrated = calibrate_and_trace(args, base, pool, step_model, cases, samples)
+        rankings = multi_turn(args, base, pool, step_model, calibrated, cases, samples)
+        autoscale(args, base, pool, step_model, calibrated, cases, samples)
     finally:
         stop_local_serve()
     result = {"quick": args.quick, "pad_s": args.pad, "profile": args.profile, "calibrated": calibrated,
@@ -391,6 +409,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                          if any(e is not None and e > 0.15 for e in c["rel_error"].values())),
               "wall_s": time.monotonic() - started_s}
     (args.out / "served_validation.json").write_text(json.dumps(finite(result), indent=1))
+    (args.out / "served_samples.json").write_text(json.dumps(finite({"quick": args.quick, "cases": samples})))
+    from loadtest.sim.plots import plot_served_validation
+
+    plot_served_validation(samples, args.out / "served_validation.png")
     log(f"wall time {result['wall_s']:.0f} s; max relative error {result['max_rel_error']}")
     print(json.dumps(finite(result)), flush=True)
     return result

@@ -28,3 +28,15 @@ def test_the_command_wants_a_json_and_a_folder(tmp_path, capsys):
     path.write_text('{"routing": {"8": ' + __import__("json").dumps(routing_row(0.5)) + "}}")
     assert main([str(path), str(tmp_path / "out")]) == 0
     assert "routing_scale.png" in capsys.readouterr().out
+
+
+def test_the_served_validation_draws_every_case_and_the_timeline(tmp_path, capsys):
+    samples = {"trace_x1": {"real": [0.1, 0.2, 0.3], "sim": [0.1, 0.2, 0.4]},
+               "multi_turn_x3_pow2": {"real": [0.2, 2.0], "sim": [0.3, 1.5]},
+               "autoscale": {"real": [0.2, 5.0], "sim": [0.2, 4.0], "replicas_real": [[0.0, 1, 1], [10.0, 1, 3]],
+                             "replicas_sim": [[0.0, 1, 1], [9.0, 1, 3], [17.0, 3, 3]]}}
+    path = tmp_path / "served.json"
+    path.write_text(__import__("json").dumps({"quick": True, "cases": samples}))
+    assert main(["--served", str(path), str(tmp_path / "served.png")]) == 0
+    assert capsys.readouterr().out.strip() == "served.png"
+    assert (tmp_path / "served.png").stat().st_size > 10_000
