@@ -93,11 +93,16 @@ def plot_served_validation(samples: dict[str, Any], path: Path) -> str:
     panels = len(cases) + timeline
     ncols = min(4, max(panels, 1))
     fig, axes = new_figure(ncols=ncols, width_in=3.6, nrows=-(-max(panels, 1) // ncols))
+    from matplotlib.ticker import NullFormatter
+
     for ax, name in zip(axes, cases):
-        for side, style in (("real", "-"), ("sim", "--")):
+        for side, style, color in (("real", "-", "tab:blue"), ("sim", "--", "tab:orange")):
             xs = samples[name].get(side) or []
-            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], style, label=f"{side} ({len(xs)})")
-        ax.set_xscale("log")
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], style, color=color, label=f"{side} ({len(xs)})")
+        values = [x for side in ("real", "sim") for x in samples[name].get(side) or [] if x > 0]
+        if values and max(values) > 10 * min(values):  # a log axis only where it spans a decade
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("TTFT (s)")
         ax.set_ylabel("fraction of requests")
@@ -106,12 +111,14 @@ def plot_served_validation(samples: dict[str, Any], path: Path) -> str:
     if timeline:
         ax = axes[len(cases)]
         scaling = samples["autoscale"]
-        for key, label, style in (("replicas_real", "real", "-"), ("replicas_sim", "sim", "--")):
+        for key, label, style, color in (("replicas_real", "real", "-", "tab:blue"),
+                                         ("replicas_sim", "sim", "--", "tab:orange")):
             rows = scaling[key]
             if rows:
-                ax.step([r[0] for r in rows], [r[1] for r in rows], style, where="post", label=f"{label} ready")
-                ax.step([r[0] for r in rows], [r[2] for r in rows], style, where="post", alpha=0.4,
-                        label=f"{label} asked for")
+                ax.step([r[0] for r in rows], [r[1] for r in rows], style, color=color, where="post",
+                        label=f"{label} ready")
+                ax.step([r[0] for r in rows], [r[2] for r in rows], ":", color=color, where="post", alpha=0.7,
+                        label=f"{label} asked for (running + starting)")
         ax.set_title("autoscale: replicas", fontsize=9)
         ax.set_xlabel("seconds from the load's start")
         ax.grid(True, alpha=0.3)

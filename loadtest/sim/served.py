@@ -26,6 +26,13 @@ then held fixed for every compared case:
                       ingress, handle, the engine process's queue, streaming back).
 Both are clamped at 0. No compared run tunes anything.
 
+Diagnostics beside the compared figures: every case's inter-token latency p99, real and simulated
+(a real step that outgrew the pad, from host contention, shows there first), and with
+--real-repeats N the 3-replica multi-turn cases' real runs repeated N times on fresh deployments,
+the range of their real figures (`real_spread`) and whether the simulated figure lies inside it:
+what the real system itself moves by from run to run. The first of them is the compared run.
+--parts runs a subset (the calibration always runs).
+
 Ranking (3-replica multi-turn): policies ordered by TTFT p50 (lower first) and by prefix-cache hit
 rate (higher first; the real one from /metrics counters). `ranking_match` is true when, for every
 pair of policies the real run separates (TTFT p50 more than TIE_TTFT_REL apart, hit rates more
@@ -65,6 +72,7 @@ from router.policy import RouterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ("prefix_aware", "pow2", "round_robin")
+PARTS = ("trace", "multi_turn", "autoscale")
 # Pairs of policies the real run does not separate by more than this may rank either way.
 TIE_TTFT_REL = 0.05
 TIE_HIT_RATE = 0.02
@@ -147,6 +155,23 @@ def compare(real: dict[str, float | None], sim: dict[str, float | None], **extra
     return {"real": real, "sim": sim, "rel_error": rel_errors(real, sim), **extra}
 
 
+def itl_p99(results: list[RequestResult]) -> float | None:
+    """The p99 of every inter-token gap of every answered request."""
+    gaps = [gap for r in results if r.ok for gap in r.itls_s]
+    return float(np.quantile(gaps, 0.99)) if gaps else None
+
+
+def real_spread(runs: list[dict[str, float | None]], sim: dict[str, float | None]) -> dict[str, Any]:
+    """The range of each figure over repeated real runs, and whether the simulated one lies inside."""
+    spread: dict[str, Any] = {}
+    for key in runs[0]:
+        values = [run[key] for run in runs if run.get(key) is not None]
+        spread[key] = [min(values), max(values)] if values else None
+    within = {key: sim.get(key) is not None and bounds[0] <= sim[key] <= bounds[1]
+              for key, bounds in spread.items() if bounds is not None}
+    return {"runs": len(runs), "range": spread, "sim_within": within}
+
+
 # ---- the real side ----------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -162,8 +187,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace-rate", type=float, default=0.8, help="Azure-trace req/s per replica")
     p.add_argument("--profile", default="tiny-cpu", help="step-time profile under the pad")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parts", default="trace,multi_turn,autoscale",
+                   help="comma-separated subset of trace, multi_turn, autoscale (the calibration always runs)")
+    p.add_argument("--real-repeats", type=int, default=1,
+                   help="real runs of each 3-replica multi-turn case, each on a fresh deployment (>= 1)")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "sim_served")
     args = p.parse_args(argv)
+    args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown or not args.parts:
+        p.error(f"--parts takes a subset of {', '.join(PARTS)}; got {unknown or 'nothing'}")
+    if args.real_repeats < 1:
+        p.error(f"--real-repeats must be >= 1, got {args.real_repeats}")
     q = args.quick
     args.trace_requests = 45 if q else 150  # per replica
     args.calibration_requests = 40 if q else 100
@@ -284,14 +319,15 @@ def calibrate_and_trace(args: argparse.Namespace, base: str, pool: np.ndarray, s
     request_latency_s = overhead_gap(real["ttft_p50_s"], stepped["ttft_p50_s"])
     calibrated = {"step_overhead_s": step_overhead_s, "request_latency_s": request_latency_s}
     log(f"calibration: real {real}; sim without overheads {bare}; calibrated {calibrated}")
-    for replicas in (1, 3):
+    for replicas in (1, 3) if "trace" in args.parts else ():
         if replicas == 3:
             spec = app_args(args, 1024, replicas=3)
             max_len = deploy(spec)
         workload = trace_workload(args.trace_requests * replicas, args.trace_rate * replicas, pool, args.seed)
         real, _, real_results = real_run(base, f"trace x{replicas}", workload)
         run, sim = simulate(cluster_config(spec, max_len, seed=args.seed, **calibrated), step_model, workload)
-        cases[f"trace_x{replicas}"] = compare(real, sim, requests=len(workload))
+        cases[f"trace_x{replicas}"] = compare(real, sim, requests=len(workload), itl_p99_s_real=itl_p99(real_results),
+                                              itl_p99_s_sim=itl_p99(run.results))
         samples[f"trace_x{replicas}"] = {"real": ttfts(real_results), "sim": ttfts(run.results)}
         log_case(f"trace_x{replicas}", cases[f"trace_x{replicas}"])
     return calibrated
@@ -317,7 +353,16 @@ def multi_turn(args: argparse.Namespace, base: str, pool: np.ndarray, step_model
         real, real_hits, real_results = real_run(base, name, workload)
         run, sim = simulate(cluster_config(spec, max_len, seed=args.seed, **calibrated), step_model, workload)
         cases[name] = compare(real, sim, requests=len(workload), policy=policy, hit_rate_real=real_hits,
-                              hit_rate_sim=hit_rate(run))
+                              hit_rate_sim=hit_rate(run), itl_p99_s_real=itl_p99(real_results),
+                              itl_p99_s_sim=itl_p99(run.results))
+        if replicas > 1 and args.real_repeats > 1:
+            repeats = [{**real, "hit_rate": real_hits, "itl_p99_s": itl_p99(real_results)}]
+            for _ in range(args.real_repeats - 1):
+                deploy(spec)
+                again, again_hits, again_results = real_run(base, name, workload)
+                repeats.append({**again, "hit_rate": again_hits, "itl_p99_s": itl_p99(again_results)})
+            cases[name]["real_spread"] = real_spread(
+                repeats, {**sim, "hit_rate": hit_rate(run), "itl_p99_s": itl_p99(run.results)})
         samples[name] = {"real": ttfts(real_results), "sim": ttfts(run.results)}
         if policy == "pow2":  # a random policy: one simulated stream against the real one is one sample
             cases[name]["seed_spread"] = seed_spread(
@@ -373,7 +418,8 @@ def autoscale(args: argparse.Namespace, base: str, pool: np.ndarray, step_model:
     run, sim = simulate(config, step_model, workload)
     sim_max = max(d["ready"] for d in run.decisions)
     sim_asked = max(d["target"] for d in run.decisions)
-    cases["autoscale"] = compare(real, sim, requests=len(workload), capacity_req_s=c, cold_starts_s=colds,
+    cases["autoscale"] = compare(real, sim, requests=len(workload), itl_p99_s_real=itl_p99(real_results),
+                                 itl_p99_s_sim=itl_p99(run.results), capacity_req_s=c, cold_starts_s=colds,
                                  replica_start_s=start_s, max_replicas_real=real_max, max_replicas_sim=sim_max,
                                  max_replicas_match=real_max == sim_max, max_asked_real=real_asked,
                                  max_asked_sim=sim_asked)
@@ -398,13 +444,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base = start_local_serve()
     try:
         calibrated = calibrate_and_trace(args, base, pool, step_model, cases, samples)
-        rankings = multi_turn(args, base, pool, step_model, calibrated, cases, samples)
-        autoscale(args, base, pool, step_model, calibrated, cases, samples)
+        rankings = multi_turn(args, base, pool, step_model, calibrated, cases, samples) if "multi_turn" in args.parts else None
+        if "autoscale" in args.parts:
+            autoscale(args, base, pool, step_model, calibrated, cases, samples)
     finally:
         stop_local_serve()
     result = {"quick": args.quick, "pad_s": args.pad, "profile": args.profile, "calibrated": calibrated,
               "cases": cases, "max_rel_error": max_rel_error(cases),
-              "ranking_match": rankings["ttft_match"] and rankings["hit_rate_match"], "rankings": rankings,
+              "parts": args.parts, "real_repeats": args.real_repeats,
+              "ranking_match": rankings["ttft_match"] and rankings["hit_rate_match"] if rankings else None,
+              "rankings": rankings,
               "cases_over_15pct": sorted(n for n, c in cases.items()
                                          if any(e is not None and e > 0.15 for e in c["rel_error"].values())),
               "wall_s": time.monotonic() - started_s}

@@ -9,8 +9,9 @@ import pytest
 
 from loadtest.results import summarize
 from loadtest.sim.cluster import SimCluster
-from loadtest.sim.served import (PaddedStepModel, autoscaler_config, cluster_config, compare, max_rel_error,
-                                 overhead_gap, ranking, rankings_agree, seed_spread)
+from loadtest.results import RequestResult
+from loadtest.sim.served import (PaddedStepModel, autoscaler_config, cluster_config, compare, itl_p99, max_rel_error,
+                                 overhead_gap, parse_args, ranking, rankings_agree, real_spread, seed_spread)
 from loadtest.traces import BenchRequest
 
 
@@ -120,3 +121,33 @@ def test_importing_the_module_imports_neither_torch_nor_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 
+
+
+def test_repeated_real_runs_give_a_range_and_say_whether_the_simulated_figure_lies_inside():
+    runs = [{"ttft_p99_s": 2.9, "tpot_p50_s": 0.1}, {"ttft_p99_s": 4.0, "tpot_p50_s": None},
+            {"ttft_p99_s": 3.5, "tpot_p50_s": 0.1}]
+    out = real_spread(runs, {"ttft_p99_s": 3.0, "tpot_p50_s": 0.2})
+    assert out["runs"] == 3
+    assert out["range"] == {"ttft_p99_s": [2.9, 4.0], "tpot_p50_s": [0.1, 0.1]}
+    assert out["sim_within"] == {"ttft_p99_s": True, "tpot_p50_s": False}
+
+
+def test_itl_p99_counts_every_gap_of_answered_requests_only():
+    ok = RequestResult("a", sent_s=0.0, status=200, output_tokens=4, first_token_s=0.1,
+                       chunk_times_s=[0.1, 0.2, 0.3, 1.3], finish_s=1.3)
+    failed = RequestResult("b", sent_s=0.0, status=500, error="boom", chunk_times_s=[0.0, 50.0])
+    assert itl_p99([ok, failed]) == pytest.approx(float(__import__("numpy").quantile([0.1, 0.1, 1.0], 0.99)))
+    assert itl_p99([failed]) is None
+
+
+@pytest.mark.parametrize("argv, says", [(["--parts", "trace,bogus"], "['bogus']"), (["--parts", ","], "got nothing"),
+                                        (["--real-repeats", "0"], "--real-repeats must be >= 1")])
+def test_bad_parts_or_repeats_are_refused_with_a_clear_error(argv, says, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert says in capsys.readouterr().err
+
+
+def test_parts_and_repeats_parse():
+    args = parse_args(["--parts", "multi_turn, autoscale", "--real-repeats", "3"])
+    assert args.parts == ["multi_turn", "autoscale"] and args.real_repeats == 3
