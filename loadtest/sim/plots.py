@@ -88,13 +88,13 @@ def plot_report_traffic(routing: dict[str, Any], path: Path) -> str:
 
 def plot_served_validation(samples: dict[str, Any], path: Path) -> str:
     """One TTFT CDF per case (real solid, simulated dashed), then the autoscaling replica timelines."""
+    from matplotlib.ticker import NullFormatter
+
     cases = [name for name in samples if samples[name].get("real") or samples[name].get("sim")]
     timeline = "replicas_real" in samples.get("autoscale", {})
     panels = len(cases) + timeline
     ncols = min(4, max(panels, 1))
     fig, axes = new_figure(ncols=ncols, width_in=3.6, nrows=-(-max(panels, 1) // ncols))
-    from matplotlib.ticker import NullFormatter
-
     for ax, name in zip(axes, cases):
         for side, style, color in (("real", "-", "tab:blue"), ("sim", "--", "tab:orange")):
             xs = samples[name].get(side) or []

@@ -44,7 +44,8 @@ Prints real vs sim per case and the relative errors to stderr; the last stdout l
 object (per case figures, max_rel_error, ranking_match, the calibrated scalars), also written to
 OUT/served_validation.json. Every request's TTFT per case, real and simulated, and the autoscaling
 case's replica timelines go to OUT/served_samples.json, drawn as OUT/served_validation.png
-(`python -m loadtest.sim.plots --served OUT/served_samples.json PNG` redraws it). Ray and torch are imported inside the functions that need them.
+(`python -m loadtest.sim.plots --served OUT/served_samples.json PNG` redraws it). Ray and torch
+are imported inside the functions that need them.
 """
 
 from __future__ import annotations
@@ -161,23 +162,34 @@ def itl_p99(results: list[RequestResult]) -> float | None:
     return float(np.quantile(gaps, 0.99)) if gaps else None
 
 
-def real_spread(runs: list[dict[str, float | None]], sim: dict[str, float | None]) -> dict[str, Any]:
-    """The range of each figure over repeated real runs, and whether the simulated one lies inside."""
-    spread: dict[str, Any] = {}
+def ranges(runs: list[dict[str, float | None]]) -> dict[str, list[float] | None]:
+    """Each figure's [min, max] over runs (None where no run has it)."""
+    spread: dict[str, list[float] | None] = {}
     for key in runs[0]:
         values = [run[key] for run in runs if run.get(key) is not None]
         spread[key] = [min(values), max(values)] if values else None
-    within = {key: sim.get(key) is not None and bounds[0] <= sim[key] <= bounds[1]
-              for key, bounds in spread.items() if bounds is not None}
-    return {"runs": len(runs), "range": spread, "sim_within": within}
+    return spread
+
+
+def inside(observed: dict[str, float | None], spread: dict[str, list[float] | None]) -> dict[str, bool]:
+    """Per figure of the spread, whether the observed one lies within it."""
+    return {key: observed.get(key) is not None and bounds[0] <= observed[key] <= bounds[1]
+            for key, bounds in spread.items() if bounds is not None}
+
+
+def real_spread(runs: list[dict[str, float | None]], sim: dict[str, float | None]) -> dict[str, Any]:
+    """The range of each figure over repeated real runs, and whether the simulated one lies inside."""
+    spread = ranges(runs)
+    return {"runs": len(runs), "range": spread, "sim_within": inside(sim, spread)}
 
 
 # ---- the real side ----------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer requests: 10 min here, against 23 min for the full run; its TTFT p99 of 72 "
-                   "multi-turn requests and p50 of a 60-s step are small samples (docs/simulator.md)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer requests: 10 min here, against 23 min for the full run; its TTFT p99 of 72 "
+                        "multi-turn requests and p50 of a 60-s step are small samples (docs/simulator.md)")
     # 100 ms: a padded step is 10-20x the tiny model's decode forward at one thread, and with
     # max_num_batched_tokens 256 a prompt chunk's forward is 30-55 ms, so 3 replicas on 2 cores are
     # paced by the pad. (At 50 ms and 512-token chunks the first run was CPU-bound at 3 replicas:
@@ -273,16 +285,8 @@ def seed_spread(config_for: Any, step_model: Any, workload: list[BenchRequest], 
     each run's config): the real run drew one stream of its own, so its figures are one sample of
     that spread, and `within` says, per figure, whether the real one lies inside it."""
     runs = [simulate(config_for(seed), step_model, workload) for seed in range(seeds)]
-    spread: dict[str, Any] = {}
-    for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "output_tokens_per_s"):
-        values = [sim[key] for _, sim in runs if sim[key] is not None]
-        spread[key] = [min(values), max(values)] if values else None
-    hits = [hit_rate(run) for run, _ in runs]
-    spread["hit_rate"] = [min(hits), max(hits)]
-    observed = {**real, "hit_rate": real_hits}
-    within = {key: observed.get(key) is not None and bounds[0] <= observed[key] <= bounds[1]
-              for key, bounds in spread.items() if bounds is not None}
-    return {"seeds": seeds, "range": spread, "within": within}
+    spread = ranges([{**sim, "hit_rate": hit_rate(run)} for run, sim in runs])
+    return {"seeds": seeds, "range": spread, "within": inside({**real, "hit_rate": real_hits}, spread)}
 
 
 def hit_rate(run: SimRun) -> float:
@@ -352,17 +356,16 @@ def multi_turn(args: argparse.Namespace, base: str, pool: np.ndarray, step_model
         max_len = deploy(spec)
         real, real_hits, real_results = real_run(base, name, workload)
         run, sim = simulate(cluster_config(spec, max_len, seed=args.seed, **calibrated), step_model, workload)
+        real_itl, sim_itl, sim_hits = itl_p99(real_results), itl_p99(run.results), hit_rate(run)
         cases[name] = compare(real, sim, requests=len(workload), policy=policy, hit_rate_real=real_hits,
-                              hit_rate_sim=hit_rate(run), itl_p99_s_real=itl_p99(real_results),
-                              itl_p99_s_sim=itl_p99(run.results))
+                              hit_rate_sim=sim_hits, itl_p99_s_real=real_itl, itl_p99_s_sim=sim_itl)
         if replicas > 1 and args.real_repeats > 1:
-            repeats = [{**real, "hit_rate": real_hits, "itl_p99_s": itl_p99(real_results)}]
+            repeats = [{**real, "hit_rate": real_hits, "itl_p99_s": real_itl}]
             for _ in range(args.real_repeats - 1):
                 deploy(spec)
                 again, again_hits, again_results = real_run(base, name, workload)
                 repeats.append({**again, "hit_rate": again_hits, "itl_p99_s": itl_p99(again_results)})
-            cases[name]["real_spread"] = real_spread(
-                repeats, {**sim, "hit_rate": hit_rate(run), "itl_p99_s": itl_p99(run.results)})
+            cases[name]["real_spread"] = real_spread(repeats, {**sim, "hit_rate": sim_hits, "itl_p99_s": sim_itl})
         samples[name] = {"real": ttfts(real_results), "sim": ttfts(run.results)}
         if policy == "pow2":  # a random policy: one simulated stream against the real one is one sample
             cases[name]["seed_spread"] = seed_spread(
@@ -444,7 +447,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base = start_local_serve()
     try:
         calibrated = calibrate_and_trace(args, base, pool, step_model, cases, samples)
-        rankings = multi_turn(args, base, pool, step_model, calibrated, cases, samples) if "multi_turn" in args.parts else None
+        rankings = None
+        if "multi_turn" in args.parts:
+            rankings = multi_turn(args, base, pool, step_model, calibrated, cases, samples)
         if "autoscale" in args.parts:
             autoscale(args, base, pool, step_model, calibrated, cases, samples)
     finally:
