@@ -38,7 +38,7 @@ integration: setup
 	$(PY) -m pytest -q tests/integration
 
 bench: setup
-	$(PY) -m loadtest.bench_engine
+	$(PY) -m loadtest.benchmarks.bench_engine
 
 clean:
 	rm -rf $(VENV) *.egg-info

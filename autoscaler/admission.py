@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 from contracts.checks import is_int, is_number
 from contracts.priority import Priority
-from model_worker.stats import percentile
+from model_worker.engine.stats import percentile
 
 # The most TTFT samples kept, so memory stays bounded (~300 KB) at any rate. Beyond 2048 first
 # tokens/s in the default 2 s window the oldest samples go early: the mean is then over the newest

@@ -22,7 +22,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     # Chained hashes of the prompt's full blocks, in order, with cache_key
-    # (model_worker.hashing.hash_prompt_blocks(prompt_token_ids, block_size, cache_key)).
+    # (model_worker.sched.hashing.hash_prompt_blocks(prompt_token_ids, block_size, cache_key)).
     block_hashes: list[int] = field(default_factory=list)
     # Batch is shed first under overload. Parsed once, here: a handle caller may give the label
     # ("interactive", "batch"); every part downstream reads the enum.

@@ -102,6 +102,6 @@ class OpenAIIngress(OpenAIFrontend):
 
 
 def _load_tokenizer(source: str | None) -> Any:
-    from model_worker.models import load_tokenizer
+    from model_worker.checkpoints.models import load_tokenizer
 
     return load_tokenizer(source)

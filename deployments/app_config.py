@@ -20,7 +20,7 @@ class AppArgs:
     # A checkpoint directory, hub id, .gguf file, "tiny", or None: the embedded default model.
     model: str | None = None
     # The name clients send as `model`; defaults to one derived from `model` ("SmolLM2-135M-Instruct"
-    # for the embedded default, model_worker.models.served_name).
+    # for the embedded default, model_worker.checkpoints.models.served_name).
     served_model_name: str | None = None
     # EngineConfig fields (max_num_seqs, device, dtype, ...), passed to every LLMServer replica.
     engine_args: dict[str, Any] = field(default_factory=dict)

@@ -30,10 +30,10 @@ from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo, whole
 from deployments.errors import APIError, internal, invalid, not_ready, overloaded
 from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, TTFT_BUCKETS_S, FiniteHistogram,
                                  by_label, collect_families)
-from model_worker.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed, RequestStream
+from model_worker.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed, RequestStream
 from model_worker.config import EngineConfig
-from model_worker.models import served_name
-from model_worker.scheduler import RequestRejected
+from model_worker.checkpoints.models import served_name
+from model_worker.sched.scheduler import RequestRejected
 from router.report_builder import RoutingReportBuilder
 
 # A stream with no output for this long gets a keep-alive chunk, so the ingress can tell a request

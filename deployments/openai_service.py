@@ -24,7 +24,7 @@ from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo
 from deployments import openai_protocol as oai
 from deployments.errors import APIError, invalid
 from deployments.metrics import Exposition, by_label
-from model_worker.hashing import hash_prompt_blocks
+from model_worker.sched.hashing import hash_prompt_blocks
 
 
 class Backend(Protocol):

@@ -5,7 +5,7 @@ checks (deployments/openai_models.py), so the description cannot drift from them
 response models (deployments/openai_protocol.py) are tested against what the server sends. What
 the replicas told the ingress narrows it: `model` may only be the served model's name, token ids
 stay in the vocabulary, max_tokens within the context. Clients and API fuzzers (schemathesis,
-through loadtest/fuzz_http.py) read it for the exact types and ranges.
+through loadtest/faults/fuzz_http.py) read it for the exact types and ranges.
 """
 
 from __future__ import annotations

@@ -23,8 +23,7 @@ DEMO_PROMPTS = [
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["simulate", "profile"]:  # a command of its own under simulate: measure and fit a step-time profile
-        from loadtest.sim import step_model
-
+        from simulator import step_model
         return step_model.main(argv[2:])
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--seed", type=int, default=None)
     from iterserve import serve_cli
     from loadtest import bench_cli
-    from loadtest.sim import cli as sim_cli
-
+    from simulator import cli as sim_cli
     serve_cli.add_parser(sub)
     bench_cli.add_parser(sub)
     sim_cli.add_parser(sub)
@@ -63,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _demo(args: argparse.Namespace) -> int:
-    from model_worker.async_engine import AsyncLLMEngine
+    from model_worker.engine.async_engine import AsyncLLMEngine
 
     print("iterserve demo: loading the model (the first use converts the embedded SmolLM2 once)...", flush=True)
     start_s = time.monotonic()
@@ -96,7 +94,7 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    from model_worker.async_engine import AsyncLLMEngine
+    from model_worker.engine.async_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine(EngineConfig(model=args.model))
     try:

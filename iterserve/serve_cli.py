@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     actor_options: dict[str, Any] = {"num_cpus": 0}
     if args.num_gpus_per_replica:
         actor_options["num_gpus"] = args.num_gpus_per_replica
-    from model_worker.models import resolve_model, served_name
+    from model_worker.checkpoints.models import resolve_model, served_name
 
     # Build or convert the embedded model (or a .gguf file) here, once and in the foreground,
     # rather than in every replica at once behind the cache lock.

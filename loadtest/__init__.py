@@ -1,2 +1,2 @@
 """Benchmarks of iterserve. `traces` and `metrics` are pure (standard library + numpy); the
-runnable benchmarks (`python -m loadtest.bench_engine`) import torch and transformers."""
+runnable benchmarks (`python -m loadtest.benchmarks.bench_engine`) import torch and transformers."""

@@ -47,7 +47,7 @@ def add_parser(sub: Any) -> None:
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    """The workload options, shared with `iterserve simulate` (loadtest/sim/cli.py)."""
+    """The workload options, shared with `iterserve simulate` (simulator/cli.py)."""
     p.add_argument("--workload", choices=WORKLOADS, default="synthetic")
     p.add_argument("--num-requests", type=int, default=100, help="requests (conversations for multi-turn)")
     p.add_argument("--rate", default="4", help="req/s, or a comma list to sweep; 'inf' sends all at once")
@@ -129,7 +129,7 @@ def build_workload(args: argparse.Namespace, pool: np.ndarray, rate: float | Non
 
 def token_pool(tokenizer: str | None) -> np.ndarray:
     """The tokenizer's non-special ids: prompts drawn from them are exactly as long as asked."""
-    from model_worker.models import load_tokenizer
+    from model_worker.checkpoints.models import load_tokenizer
 
     tok = load_tokenizer(tokenizer)  # None: the default model's
     return normal_token_ids(len(tok), tok.all_special_ids)

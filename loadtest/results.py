@@ -17,7 +17,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from model_worker.stats import percentile
+from model_worker.engine.stats import percentile
 
 PERCENTILES = (50, 90, 99)
 

@@ -45,7 +45,7 @@ class EngineConfig:
     batching: str = "continuous"
     device: str = "auto"
     # "auto": bfloat16 on CUDA and on a CPU with native bf16 (avx512_bf16, AMX, Arm BF16), float32 on
-    # other CPUs, where bf16 is emulated and slower (model_worker/cpu_features.py).
+    # other CPUs, where bf16 is emulated and slower (model_worker/runner/cpu_features.py).
     dtype: str = "auto"
     # "auto": on CUDA, flash-attn where it reads the paged cache in place (block_size a multiple of
     # 256), else our Triton kernels; torch on CPU.
@@ -64,9 +64,9 @@ class EngineConfig:
     # computing) for the rest, as a GPU step would keep the device, not the host, busy. With it a
     # replica's capacity is set by its steps, not by the host's cores, so a 2-core machine can show
     # how 4 replicas scale. The model still runs for real; 0 (the default) is off. The engine wraps
-    # its runner in model_worker.step_padding.PaddedRunner for it; its step has no padding code.
+    # its runner in model_worker.engine.step_padding.PaddedRunner for it; its step has no padding code.
     emulated_step_time_s: float = 0.0
-    # AsyncLLMEngine runs the step loop in a process of its own (model_worker/engine_core.py), so
+    # AsyncLLMEngine runs the step loop in a process of its own (model_worker/engine/engine_loop.py), so
     # that the serving work of its process (the event loop, Ray's messages, detokenizing) never
     # holds the GIL the step needs. False: a thread of the caller's process (debugging, and the
     # benchmark that measures what the process is worth).

@@ -6,7 +6,7 @@ that costs more in queueing than the hit saves:
     score = prefix_weight * hit_fraction - load_weight * load / max_load - kv_weight * kv_pressure
 
 - hit_fraction: leading blocks of the request's hash chain the replica holds, over the chain's
-  length. The hashes are the engine's own (model_worker.hashing), so a predicted hit is a real
+  length. The hashes are the engine's own (model_worker.sched.hashing), so a predicted hit is a real
   hit: nothing here matches characters or approximates a tree.
 - load / max_load: the replica's requests (waiting + running) over the busiest replica's, so the
   term is 0..1 like the others and means "relative to the rest" at any scale.
@@ -24,7 +24,7 @@ random replica.
 Policies score a ReplicaTable, the candidates as numpy columns, so one decision over 1,000
 replicas is a few array operations rather than a Python loop over them. `choose` takes snapshots
 (the real router's per-request view) or a table a caller keeps up to date in place (the
-simulator, loadtest/sim/cluster.py); both give the same choice for the same random state.
+simulator, simulator/cluster.py); both give the same choice for the same random state.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A report with every cached hash costs a 64-bit hash per cached block per period (about 2 MB of
 JSON at 100,000 blocks, each period, to every router). The builder sends what changed instead,
-from the block pool's change log (model_worker.block_pool.BlockPool.changes_since), and a full
+from the block pool's change log (model_worker.sched.block_pool.BlockPool.changes_since), and a full
 snapshot only when a delta cannot be made or might not be applicable for long:
 - the first report, and every `full_report_every`-th (60 by default: a router that could apply
   no delta, a new one included, knows the replica's cache again within that many periods);

@@ -162,7 +162,7 @@ class LlamaDecoder:
 
     Below float32 (bfloat16, float16) the weights, matmuls and KV cache are in the model dtype,
     and the numerically sensitive parts stay in float32, each a switch (measured one by one in
-    docs/benchmarks.md, `python -m loadtest.bench_agreement`):
+    docs/benchmarks.md, `python -m loadtest.benchmarks.bench_agreement`):
     - `fp32_residual`: the residual stream between layers, so rounding does not pile up over 30
       layers of additions; each layer reads a normed copy in the model dtype.
     - `fp32_rotary`: cos/sin tables and the rotation of q and k, rounded once afterwards.

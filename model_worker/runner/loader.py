@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from model_worker.models import resolve_model_path
+from model_worker.checkpoints.models import resolve_model_path
 from model_worker.runner.llama import DecoderSpec, DecoderWeights, LayerWeights
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"

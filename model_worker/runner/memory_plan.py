@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from contracts.sampling import SamplingParams
-from model_worker.batch import ScheduledSequence, SchedulerOutput
+from model_worker.sched.batch import ScheduledSequence, SchedulerOutput
 
 # The sampling that needs the most memory: temperature, top-k and top-p on every row.
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from model_worker.batch import ScheduledSequence, SchedulerOutput
+from model_worker.sched.batch import ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig
-from model_worker.cpu_features import has_native_bf16
-from model_worker.models import load_tokenizer
+from model_worker.runner.cpu_features import has_native_bf16
+from model_worker.checkpoints.models import load_tokenizer
 from model_worker.runner.attention import StepLayout, create_attention_backend
 from model_worker.runner.cuda_graphs import DecodeGraphs, cuda_graph_api
 from model_worker.runner.llama import LlamaDecoder
@@ -41,7 +41,7 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """"auto": bfloat16 on CUDA, and on a CPU with native bf16 instructions; float32 on other CPUs
-    (model_worker/cpu_features.py: emulated bf16 is slower than float32)."""
+    (model_worker/runner/cpu_features.py: emulated bf16 is slower than float32)."""
     if name == "auto":
         if device.type == "cuda" or has_native_bf16():
             return torch.bfloat16
@@ -58,7 +58,7 @@ class TorchModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        model = config.model  # None, "tiny", a .gguf file, a directory or a hub id (model_worker/models.py)
+        model = config.model  # None, "tiny", a .gguf file, a directory or a hub id (model_worker/checkpoints/models.py)
         # Seconds each part of loading took: what a new replica waits for before serving.
         self.load_times_s: dict[str, float] = {}
         started_s = time.perf_counter()

