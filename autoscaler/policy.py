@@ -67,6 +67,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from contracts.checks import is_int, is_number
+from contracts.reports import LoadReport
 
 # n * (waiting / n / target) can land just over a whole number (3 * (65 / 3 / 5) is
 # 13.000000000000002): ceil must not add a replica for a rounding error.
@@ -89,6 +90,14 @@ class ReplicaLoad:
     kv_usage: float = 0.0
     # Requests the replica can run at once (the engine's max_num_seqs); 0: not reported.
     num_seats: int = 0
+
+    @classmethod
+    def of(cls, replica_id: str, report: LoadReport) -> ReplicaLoad:
+        """What the policy reads of a replica's LoadReport (autoscaler/serve_policy.py reads the
+        same fields from the report's metrics as Serve delivers them)."""
+        return cls(replica_id=replica_id, num_waiting_first_token=report.num_waiting_first_token,
+                   num_running=report.num_running, ttft_p90_s=report.ttft_p90_s, oldest_wait_s=report.oldest_wait_s,
+                   kv_usage=report.kv_usage, num_seats=report.num_seats)
 
 
 # (field, test, what the test asks) for each number in the config; NaN fails every test.

@@ -1,9 +1,12 @@
 """LLMServer: one AsyncLLMEngine per replica, behind the methods the ingress and handles call.
 
 A plain class: `deployments.app` makes it a Serve deployment, tests build it directly over a fake
-model runner. Its methods convert between the wire types (GenerateRequest, GenerationChunk,
-APIError) and the engine's, keep per-replica latency histograms, and shed load: a replica refuses
-new work with a 429 once too many admitted requests are still waiting for their first token.
+model runner. What a replica decides and reports (admission, each request's first token and end,
+the routing and load reports) is its ReplicaCore (deployments/replica_core.py), which the cluster
+simulator's replicas run too; this class is the asynchronous side around it: the streams and
+their chunk budget, keep-alives, health, per-replica latency histograms, and the conversion
+between the wire types (GenerateRequest, GenerationChunk, APIError) and the engine's. A replica
+refuses new work with a 429 once too many admitted requests still wait for their first token.
 """
 
 from __future__ import annotations
@@ -14,15 +17,13 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from autoscaler.admission import REPLICA_TTFT_WINDOW_S, AdmissionController, Ticket, replica_policy
-from contracts import LoadReport
+from autoscaler.admission import REPLICA_TTFT_WINDOW_S
 from contracts.engine_stats import EngineStats
 from contracts.priority import Priority
 from contracts.sampling import SamplingParams, SamplingParamsError
@@ -30,11 +31,11 @@ from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo, whole
 from deployments.errors import APIError, internal, invalid, not_ready, overloaded
 from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, TTFT_BUCKETS_S, FiniteHistogram,
                                  by_label, collect_families)
+from deployments.replica_core import AdmittedRequest, ReplicaCore, ReplicaOverloaded
 from model_worker.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed, RequestStream
 from model_worker.config import EngineConfig
 from model_worker.checkpoints.models import served_name
 from model_worker.sched.scheduler import RequestRejected
-from router.report_builder import RoutingReportBuilder
 
 # A stream with no output for this long gets a keep-alive chunk, so the ingress can tell a request
 # that waits (queued, or a long prefill) from a replica that is frozen or gone.
@@ -74,24 +75,19 @@ class LLMServer:
             engine = AsyncLLMEngine(_engine_config(model, engine_args))
         self.load_times_s = {**engine.load_times_s, "total": time.perf_counter() - started_s}
         self.engine = engine
-        # The `admission` app arg: max_waiting_requests, batch_shed_fraction, retry_after_s.
-        self.admission = AdmissionController(replica_policy(**(admission or {}), ttft_window_s=ttft_window_s), clock)
         self.replica_id = replica_id or uuid.uuid4().hex[:8]
         self.clock = clock
-        scheduler = engine.limits
-        # Requests the engine runs at once (max_num_seqs): the autoscaler sizes surges in seats.
-        self.num_seats = scheduler.max_num_seqs
+        # The `admission` app arg: max_waiting_requests, batch_shed_fraction, retry_after_s.
+        self.core = ReplicaCore(self.replica_id, engine.limits, clock, admission=admission,
+                                ttft_window_s=ttft_window_s)
         self.info = ModelInfo(
             served_model_name=served_model_name or served_name(model),
-            # A request must fit both the model's positions and the whole KV cache.
-            max_model_len=min(scheduler.max_model_len, scheduler.num_kv_blocks * scheduler.block_size),
-            block_size=scheduler.block_size,
+            max_model_len=self.core.max_request_tokens,
+            block_size=engine.limits.block_size,
             vocab_size=engine.vocab_size,
             eos_token_ids=list(engine.eos_token_ids),
             created=int(time.time()),
         )
-        # Routing reports as prefix-cache deltas, a snapshot now and then (router/report_builder.py).
-        self.routing_reports = RoutingReportBuilder()
         # One report at a time, each built against the ones before it (the controller starts a new
         # call when one times out, while the old one may still be running).
         self._routing_report_lock = asyncio.Lock()
@@ -100,8 +96,6 @@ class LLMServer:
         self.engine_hung_s = engine_hung_s
         self.stream_chunks_per_s = float(stream_chunks_per_s)
         self.num_open_streams = 0
-        # Requests that continued another replica's output (migrated by the ingress).
-        self.num_resumed = 0
         # This replica's own registry, never prometheus_client's global one: several replicas (and
         # tests) can share a process.
         self.metrics_registry = CollectorRegistry()
@@ -130,9 +124,7 @@ class LLMServer:
         chunks a second; beyond that budget a request's outputs are folded together (`extend`)
         and sent at most every num_open_streams / stream_chunks_per_s seconds, the first token and
         the last chunk at once (STREAM_CHUNKS_PER_S says why)."""
-        ticket, stream = self._admit(request)
-        resumed = bool(request.resumed_token_ids)
-        self.num_resumed += resumed
+        admitted, stream = self._admit(request)
         self.num_open_streams += 1
         try:
             yield GenerationChunk(request.request_id, num_prompt_tokens=len(request.prompt_token_ids),
@@ -159,11 +151,10 @@ class LLMServer:
                     pending = out
                 else:
                     pending.extend(out)
-                if out.token_ids and not first_token_sent:
-                    # A resumed request's first token here is not a time to first token.
-                    ticket.first_token(sample=not resumed)
+                if out.token_ids:
+                    self.core.first_token(admitted)
                 if pending.finished:
-                    self._observe(pending, resumed)
+                    self._observe(pending, admitted.resumed)
                     yield pending
                     break
                 if (pending.token_ids and not first_token_sent) or self.clock() - sent_s >= self._stream_interval_s():
@@ -173,7 +164,7 @@ class LLMServer:
         finally:
             self.num_open_streams -= 1
             stream.close()
-            ticket.done()
+            self.core.finished(admitted)
 
     def _stream_interval_s(self) -> float:
         """How long a stream waits between two chunks: 0 within the budget, more beyond it."""
@@ -183,20 +174,19 @@ class LLMServer:
         """Run a request to the end and return it as one finished chunk."""
         return await whole_response(request.request_id, self.generate_stream(request))
 
-    def _admit(self, request: GenerateRequest) -> tuple[Ticket, RequestStream]:
+    def _admit(self, request: GenerateRequest) -> tuple[AdmittedRequest, RequestStream]:
         if not isinstance(request, GenerateRequest):
             raise invalid(None, f"expected a GenerateRequest, got {type(request).__name__}")
         if not isinstance(request.params, SamplingParams):
             raise invalid(None, "params must be a SamplingParams")
-        verdict, ticket = self.admission.admit(request.priority)
-        if ticket is None:
-            raise overloaded(f"replica {self.replica_id} is overloaded ({verdict.reason}); "
-                             f"{request.priority.label} requests are refused until the queue drains",
-                             verdict.retry_after_s)
         try:
-            return ticket, self._add_to_engine(request)
+            admitted = self.core.admit(request.request_id, request.priority, bool(request.resumed_token_ids))
+        except ReplicaOverloaded as refusal:
+            raise overloaded(str(refusal), refusal.retry_after_s) from None
+        try:
+            return admitted, self._add_to_engine(request)
         except BaseException:
-            ticket.done()  # refused by the engine: it never joined the queue
+            self.core.finished(admitted)  # refused by the engine: it never joined the queue
             raise
 
     def _add_to_engine(self, request: GenerateRequest) -> RequestStream:
@@ -254,30 +244,15 @@ class LLMServer:
         after a gap in the engine's change log, every hash it holds); `report_seq` tells a new
         report."""
         async with self._routing_report_lock:
-            builder = self.routing_reports
             if not self.engine.is_running:  # routers stop choosing it at once, before Serve replaces it
-                return builder.stopped(self.replica_id).to_dict()
-            stats = await self.engine.stats(include_block_hashes=True, block_hashes_since=builder.next_base())
-            return builder.build(
-                self.replica_id, cache_seq=stats.cache_seq, changes_since=partial(_changes_in, stats),
-                snapshot=partial(_snapshot_in, stats), num_queued=stats.num_waiting, num_running=stats.num_running,
-                num_free_kv_blocks=stats.num_free_kv_blocks, num_total_kv_blocks=stats.num_total_kv_blocks,
-                block_size=stats.block_size,
-            ).to_dict()
+                return self.core.routing_report(None).to_dict()
+            stats = await self.engine.stats(include_block_hashes=True, block_hashes_since=self.core.report_base())
+            return self.core.routing_report(stats).to_dict()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """The LoadReport the autoscaler (autoscaler/serve_policy.py) scales on: the queue
-        (admitted requests without a first token, and the oldest one's age), running requests,
-        TTFT p90 over the last ttft_window_s (absent when no first token came in it), KV usage.
-        The engine's own TTFT percentiles cover its last N requests, however old: not used."""
-        stats = await self.engine.stats()
-        queue = self.admission.queue_stats()
-        return LoadReport(
-            num_waiting_first_token=int(queue["num_waiting_first_token"]), oldest_wait_s=queue["oldest_wait_s"],
-            num_running=stats.num_running, kv_usage=stats.kv_usage, num_seats=self.num_seats,
-            num_shed=sum(self.admission.num_shed(p) for p in Priority), num_free_kv_blocks=stats.num_free_kv_blocks,
-            num_total_kv_blocks=stats.num_total_kv_blocks, ttft_p90_s=queue.get("ttft_p90_s"),
-        ).to_metrics()
+        """The LoadReport the autoscaler (autoscaler/serve_policy.py) scales on
+        (ReplicaCore.load_report); an absent TTFT p90 is left out."""
+        return self.core.load_report(await self.engine.stats()).to_metrics()
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
@@ -318,19 +293,6 @@ async def _next_output(stream: RequestStream, timeout_s: float) -> GenerationChu
         raise internal(f"generation failed: {type(exc).__name__}: {exc}") from None
 
 
-def _changes_in(stats: EngineStats, since: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The prefix-cache changes since `since` that the engine sent, or None (it sent a snapshot)."""
-    if stats.block_hashes_since != since or stats.stored_block_hashes is None or stats.removed_block_hashes is None:
-        return None
-    return stats.stored_block_hashes, stats.removed_block_hashes
-
-
-def _snapshot_in(stats: EngineStats) -> tuple[int, ...]:
-    if stats.cached_block_hashes is None:
-        raise RuntimeError("the engine sent changes, not the snapshot the routing report needs")
-    return stats.cached_block_hashes
-
-
 def _engine_config(model: str | None, engine_args: dict[str, Any] | None) -> EngineConfig:
     args = dict(engine_args or {})
     if "model" in args and model is not None and args["model"] != model:
@@ -366,14 +328,14 @@ def _families(server: LLMServer, stats: EngineStats) -> list[Metric]:
         CounterMetricFamily("iterserve_num_preemptions_total", "Requests preempted for KV blocks.",
                             value=stats.num_preemptions),
         by_label(CounterMetricFamily("iterserve_requests_shed_total", "Requests refused with 429 under overload.",
-                                     labels=["priority"]), {p.label: server.admission.num_shed(p) for p in Priority}),
+                                     labels=["priority"]), {p.label: server.core.num_shed(p) for p in Priority}),
         CounterMetricFamily("iterserve_requests_resumed_total",
                             "Requests this replica continued after another replica died or stalled.",
-                            value=server.num_resumed),
+                            value=server.core.num_resumed),
         by_label(GaugeMetricFamily("iterserve_model_load_seconds",
                                    "Seconds this replica spent loading before it could serve, by part.",
                                    labels=["part"]), server.load_times_s),
         GaugeMetricFamily("iterserve_oldest_waiting_seconds",
                           "Age of the oldest request still waiting for its first token.",
-                          value=server.admission.oldest_wait_s()),
+                          value=server.core.oldest_wait_s()),
     ]

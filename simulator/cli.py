@@ -25,7 +25,7 @@ import numpy as np
 from autoscaler.policy import AutoscalerConfig
 from loadtest.bench_cli import add_workload_arguments, build_workload, parse_rates, write_outputs
 from loadtest.results import SLO, summarize
-from simulator.cluster import ClusterConfig, SimCluster, SimRun
+from simulator.cluster import ClusterConfig, SimCluster, SimRun, scheduler_config
 from loadtest.traces import BenchRequest, normal_token_ids
 from router.policy import POLICIES, RouterConfig
 
@@ -87,9 +87,10 @@ def cluster_config(args: argparse.Namespace, replicas: int, policy: str) -> Clus
         autoscaling = AutoscalerConfig(min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                                        warm_spares=args.warm_spares, target_queue_per_replica=args.target_queue,
                                        ttft_slo_s=args.ttft_slo)
-    return ClusterConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                         num_replicas=replicas, router=RouterConfig(policy=policy),
+    limits = scheduler_config(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_model_len=args.max_model_len)
+    return ClusterConfig(scheduler=limits, num_replicas=replicas, router=RouterConfig(policy=policy),
                          routing_stats_period_s=args.report_period, report_delay_s=args.report_delay,
                          autoscaling=autoscaling, replica_start_s=args.replica_start_s, seed=args.seed,
                          link_latency_s=args.link_latency)

@@ -33,7 +33,7 @@ from simulator.events import EventLoop
 from contracts import RoutingReport
 from simulator.replica import ReplicaEvents, SimReplica, SimRequest
 from loadtest.traces import BenchRequest
-from model_worker.config import SchedulerConfig
+from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.sched.hashing import hash_prompt_blocks
 from router.policy import ReplicaTable, RouterConfig, make_policy
 from router.prefix_index import PrefixIndex
@@ -46,15 +46,23 @@ REPORT_BASE_BYTES = 300
 REPORT_BYTES_PER_HASH = 21
 
 
+def scheduler_config(**limits: Any) -> SchedulerConfig:
+    """A replica engine's limits: EngineConfig's defaults for the scheduling knobs, 4,096 KV blocks
+    and an 8,192-token context, with `limits` (SchedulerConfig's fields) over them."""
+    engine = EngineConfig()
+    fields = dict(block_size=engine.block_size, num_kv_blocks=4096, max_num_seqs=engine.max_num_seqs,
+                  max_num_batched_tokens=engine.max_num_batched_tokens, max_model_len=8192,
+                  enable_prefix_caching=engine.enable_prefix_caching, batching=engine.batching)
+    unknown = sorted(set(limits) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown scheduler limits {unknown}; known: {sorted(fields)}")
+    return SchedulerConfig(**{**fields, **limits})
+
+
 @dataclass(slots=True)
 class ClusterConfig:
-    # The engine's scheduler limits (SchedulerConfig's fields, from EngineConfig and the runner).
-    block_size: int = 16
-    num_kv_blocks: int = 4096
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 8192
-    enable_prefix_caching: bool = True
+    # What every replica's engine schedules under, as a served engine's scheduler does.
+    scheduler: SchedulerConfig = field(default_factory=scheduler_config)
     # Replicas at the start (ready at time 0); with autoscaling, its first target.
     num_replicas: int = 1
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -65,7 +73,8 @@ class ClusterConfig:
     # LLMServer sends); "full": every report a snapshot (what it sent before deltas).
     report_mode: str = "delta"
     full_report_every: int = 60
-    # The `admission` app arg (autoscaler.admission.replica_policy's keywords).
+    # The `admission` app arg (autoscaler.admission.replica_policy's keywords), as every
+    # replica's ReplicaCore takes it.
     admission: dict[str, Any] = field(default_factory=dict)
     autoscaling: AutoscalerConfig | None = None
     autoscale_period_s: float = 1.0
@@ -95,11 +104,6 @@ class ClusterConfig:
         if self.report_mode not in ("delta", "full"):
             raise ValueError(f"report_mode must be 'delta' or 'full', got {self.report_mode!r}")
 
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
-                               max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                               max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching)
-
 
 @dataclass(slots=True)
 class SimRun:
@@ -124,12 +128,12 @@ def reports(ready: Iterable[SimReplica], draining: Iterable[SimReplica],
     return num_waiting, num_running, made
 
 
-def make_replica(config: ClusterConfig, replica_id: str, loop: EventLoop, step_model: Any, admission: Any,
+def make_replica(config: ClusterConfig, replica_id: str, loop: EventLoop, step_model: Any,
                  events: ReplicaEvents) -> SimReplica:
     every = 1 if config.report_mode == "full" else config.full_report_every
     if config.step_overhead_s:
         step_model = _WithOverhead(step_model, config.step_overhead_s)
-    return SimReplica(replica_id, loop, config.scheduler_config(), step_model, admission, events,
+    return SimReplica(replica_id, loop, config.scheduler, step_model, config.admission, events,
                       config.record_token_times, RoutingReportBuilder(full_report_every=every))
 
 
@@ -176,7 +180,7 @@ class SimCluster:
         # in step with _ongoing and _reports; rebuilt when the set of ready replicas changes.
         self._table: ReplicaTable | None = None
         self._next_replica = 0
-        self._admission = replica_policy(**config.admission)
+        replica_policy(**config.admission)  # refused here, before any replica is built
         self._events = ReplicaEvents(on_done=self._replica_done)
         self._pending = 0
         self._dependents: dict[str, list[BenchRequest]] = defaultdict(list)
@@ -198,7 +202,7 @@ class SimCluster:
     def _add_replica(self, replica_id: str | None = None) -> None:
         replica_id = replica_id or self._new_id()
         self.starting.pop(replica_id, None)
-        replica = make_replica(self.config, replica_id, self.loop, self.step_model, self._admission, self._events)
+        replica = make_replica(self.config, replica_id, self.loop, self.step_model, self._events)
         self.replicas[replica_id] = replica
         self._table = None
         self._every_replica.append(replica)
@@ -236,7 +240,7 @@ class SimCluster:
                                prompt_tokens=len(bench.prompt_token_ids))
         self._results.append(result)
         priority = Priority.BATCH if bench.priority == "batch" else Priority.INTERACTIVE
-        hashes = hash_prompt_blocks(bench.prompt_token_ids, self.config.block_size) if self._routes_on_prefix else []
+        hashes = hash_prompt_blocks(bench.prompt_token_ids, self.config.scheduler.block_size) if self._routes_on_prefix else []
         request = SimRequest(bench, result, priority, hashes)
         if self.config.request_latency_s:
             self.loop.after(self.config.request_latency_s, self._dispatch, request)
@@ -284,7 +288,7 @@ class SimCluster:
         hashes = request.block_hashes
         hits = self.index.hits(hashes, now) if hashes else {}
         bench = request.bench
-        blocks_needed = -(-(len(bench.prompt_token_ids) + bench.output_tokens) // self.config.block_size)
+        blocks_needed = -(-(len(bench.prompt_token_ids) + bench.output_tokens) // self.config.scheduler.block_size)
         chosen = self.policy.choose(self._table, hits, len(hashes), blocks_needed)
         if hashes:
             self.index.record_dispatch(chosen, hashes, now)

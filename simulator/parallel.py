@@ -26,7 +26,6 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from autoscaler.admission import replica_policy
 from simulator.cluster import ClusterConfig, SimCluster, SimRun, collector_off, make_replica, reports
 from simulator.events import EventLoop
 from simulator.replica import ReplicaEvents, SimRequest
@@ -53,8 +52,8 @@ class Shard:
         self._ended: list[tuple[float, SimRequest]] = []
         self._made: list[tuple[float, int, int, list]] = []
         self._include_hashes = config.router.policy == "prefix_aware"
-        admission, events = replica_policy(**config.admission), ReplicaEvents(on_done=self._on_done)
-        self.replicas = {rid: make_replica(config, rid, self.loop, step_model, admission, events) for rid in replica_ids}
+        events = ReplicaEvents(on_done=self._on_done)
+        self.replicas = {rid: make_replica(config, rid, self.loop, step_model, events) for rid in replica_ids}
         self.loop.at(0.0, self._report)
 
     def _on_done(self, request: SimRequest) -> None:

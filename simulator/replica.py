@@ -1,9 +1,15 @@
-"""One simulated LLMServer replica: our real Scheduler (with its block pool and prefix cache) and
-our real per-replica admission, with the model forward replaced by a step-time model.
+"""One simulated LLMServer replica: the real engine and the real replica core, with the model
+forward and the clock replaced.
 
-The step loop is the engine's (model_worker/engine/llm_engine.py, LLMEngine.step): schedule, run, update,
-take the finished ones. "Run" is a wait of predict(batch) simulated seconds, and every sampled
-token is the same id (requests ignore EOS and end at their length, as in every benchmark here).
+- The engine is our LLMEngine (its scheduler, block pool and prefix cache, its step phases and
+  counters) over a SimulatedRunner: a step's duration is what the step-time model predicts for
+  the batch (simulator/step_model.py), and every sampled token is the same id (requests ignore
+  EOS and end at their length, as in every benchmark here). A step is the engine's own phases
+  with simulated time between them: schedule(), then, the predicted duration later,
+  execute_and_update() and take_finished().
+- What the replica decides and reports (admission, each request's first token and end, the
+  routing and load reports) is ReplicaCore (deployments/replica_core.py), the class LLMServer
+  runs for Serve, on the simulated clock.
 """
 
 from __future__ import annotations
@@ -12,23 +18,60 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from autoscaler.admission import AdmissionController, AdmissionPolicy, Ticket
 from autoscaler.policy import ReplicaLoad
 from contracts import RoutingReport
 from contracts.priority import Priority
 from contracts.sampling import SamplingParams
-from contracts.serving import RequestTimings
+from deployments.replica_core import AdmittedRequest, ReplicaCore, ReplicaOverloaded
 from loadtest.results import RequestResult
-from simulator.events import EventLoop
 from loadtest.traces import BenchRequest
+from model_worker.config import EngineConfig, SchedulerConfig
+from model_worker.engine.llm_engine import LLMEngine
 from model_worker.sched.batch import SchedulerOutput
-from model_worker.config import SchedulerConfig
 from model_worker.sched.request import Request
-from model_worker.sched.selector import make_scheduler
+from model_worker.sched.request_checks import RequestRejected
 from router.report_builder import RoutingReportBuilder
+from simulator.events import EventLoop
 
 # The token every simulated step samples: any id works, since requests ignore EOS.
 SAMPLED_TOKEN = 1
+
+
+class SimulatedRunner:
+    """The engine's ModelRunner with the forward replaced: no tensors, no model. The replica asks
+    step_time_s(batch) for how long a step takes; execute() returns SAMPLED_TOKEN for every
+    sequence that samples."""
+
+    tokenizer = None
+    # Any token id is accepted.
+    vocab_size = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __init__(self, limits: SchedulerConfig, step_model: Any) -> None:
+        self.num_kv_blocks = limits.num_kv_blocks
+        self.max_model_len = limits.max_model_len
+        self.step_model = step_model
+        # Simulated seconds of the steps predicted so far.
+        self.forward_time_s = 0.0
+        self.execute_time_s = 0.0
+        self.load_times_s: dict[str, float] = {}
+
+    def step_time_s(self, batch: SchedulerOutput) -> float:
+        duration_s = self.step_model.predict(batch)
+        self.forward_time_s += duration_s
+        self.execute_time_s += duration_s
+        return duration_s
+
+    def execute(self, batch: SchedulerOutput) -> list[int]:
+        return [SAMPLED_TOKEN] * batch.num_sampling
+
+
+def engine_config(limits: SchedulerConfig) -> EngineConfig:
+    """The EngineConfig whose engine, over a runner with limits' KV blocks and context, schedules
+    under exactly `limits`."""
+    return EngineConfig(block_size=limits.block_size, max_num_seqs=limits.max_num_seqs,
+                        max_num_batched_tokens=limits.max_num_batched_tokens,
+                        enable_prefix_caching=limits.enable_prefix_caching, batching=limits.batching)
 
 
 @dataclass(slots=True)
@@ -38,7 +81,7 @@ class SimRequest:
     priority: Priority
     block_hashes: list[int]
     replica_id: str | None = None
-    ticket: Ticket | None = None
+    admitted: AdmittedRequest | None = None
 
 
 @dataclass(slots=True)
@@ -61,15 +104,16 @@ class ReplicaEvents:
 
 
 class SimReplica:
-    def __init__(self, replica_id: str, loop: EventLoop, scheduler_config: SchedulerConfig, step_model: Any,
-                 admission_policy: AdmissionPolicy, events: ReplicaEvents, record_token_times: bool = True,
+    def __init__(self, replica_id: str, loop: EventLoop, limits: SchedulerConfig, step_model: Any,
+                 admission: dict[str, Any], events: ReplicaEvents, record_token_times: bool = True,
                  report_builder: RoutingReportBuilder | None = None) -> None:
         self.replica_id = replica_id
         self.loop = loop
-        self.config = scheduler_config
-        self.scheduler = make_scheduler(scheduler_config, eos_token_ids=(), clock=loop.clock)
-        self.step_model = step_model
-        self.admission = AdmissionController(admission_policy, loop.clock)
+        self.runner = SimulatedRunner(limits, step_model)
+        self.engine = LLMEngine(engine_config(limits), model_runner=self.runner, clock=loop.clock, detokenize=False)
+        if self.engine.scheduler.config != limits:
+            raise ValueError(f"the simulated engine schedules under {self.engine.scheduler.config}, not {limits}")
+        self.core = ReplicaCore(replica_id, limits, loop.clock, admission=admission, report_builder=report_builder)
         self.events = events
         self.record_token_times = record_token_times
         self.counters = ReplicaCounters()
@@ -80,37 +124,47 @@ class SimReplica:
         # One SamplingParams per output length: the scheduler only reads them, and building one
         # (it checks every field) is a good part of a simulated request's cost at 1,000,000.
         self._params: dict[int, SamplingParams] = {}
-        # LLMServer's builder: deltas of the prefix cache, a snapshot now and then.
-        self.report_builder = report_builder or RoutingReportBuilder()
+
+    @property
+    def scheduler(self) -> Any:
+        return self.engine.scheduler
 
     # ---- requests -------------------------------------------------------------------------
 
     def receive(self, request: SimRequest) -> None:
-        """A routed request: admitted (queued in the scheduler) or refused with a 503, as
-        LLMServer.generate does."""
-        verdict, ticket = self.admission.admit(request.priority)
-        if ticket is None:
-            self.counters.refused += 1
-            request.result.status = 503
-            request.result.error = f"overloaded: {verdict.reason}"
-            self.events.on_done(request)
-            return
-        request.ticket = ticket
+        """A routed request: admitted (queued in the engine) or refused (status 503; LLMServer's
+        refusal is a 429, which the ingress retries on another replica)."""
         bench = request.bench
+        try:
+            admitted = self.core.admit(bench.request_id, request.priority)
+        except ReplicaOverloaded as refusal:
+            self.counters.refused += 1
+            self._end(request, 503, f"overloaded: {refusal}")
+            return
+        request.admitted = admitted
         params = self._params.get(bench.output_tokens)
         if params is None:
             params = SamplingParams(temperature=0.0, max_tokens=bench.output_tokens, ignore_eos=True)
             self._params[bench.output_tokens] = params
-        engine_request = Request(request_id=bench.request_id, prompt_token_ids=list(bench.prompt_token_ids),
-                                 sampling_params=params, priority=request.priority,
-                                 timings=RequestTimings(arrival_s=self.loop.now),
-                                 # The ingress's hashes, used as sent, as LLMEngine.add_request does.
-                                 block_hashes=list(request.block_hashes))
-        self.scheduler.add_request(engine_request)
+        try:
+            # The path the engine process takes after AsyncLLMEngine's checks: a generated
+            # workload needs no tokenizing, and the ingress's block hashes are used as sent.
+            engine_request = self.engine.add_checked_request(
+                bench.request_id, list(bench.prompt_token_ids), params, request.priority, self.loop.now,
+                None, [], list(request.block_hashes))
+        except RequestRejected as refusal:
+            self.core.finished(admitted)
+            self._end(request, 400, str(refusal))
+            return
         self._requests[bench.request_id] = request
         self._awaiting_first[bench.request_id] = engine_request
         if not self.stepping:
             self._step()
+
+    def _end(self, request: SimRequest, status: int, error: str) -> None:
+        request.result.status = status
+        request.result.error = error
+        self.events.on_done(request)
 
     @property
     def num_unfinished(self) -> int:
@@ -119,22 +173,24 @@ class SimReplica:
     # ---- the step loop ----------------------------------------------------------------------
 
     def _step(self) -> None:
-        batch = self.scheduler.schedule()
+        batch = self.engine.schedule()
         if batch.is_empty:
             self.stepping = False
             return
         self.stepping = True
-        duration_s = self.step_model.predict(batch)
+        duration_s = self.runner.step_time_s(batch)
         self.counters.busy_s += duration_s
         self.loop.after(duration_s, self._step_done, batch)
 
     def _step_done(self, batch: SchedulerOutput) -> None:
-        scheduler = self.scheduler
-        progressed = scheduler.update(batch, [SAMPLED_TOKEN] * batch.num_sampling)
+        update = self.engine.execute_and_update(batch)
+        progressed = update.progressed
         counters = self.counters
         counters.steps += 1
         counters.tokens += len(progressed)
         now = self.loop.now
+        for request_id, failed in update.failed.items():
+            self._failed(request_id, failed.error or "the step failed")
         # First tokens: a pass over the few requests still waiting for one, not over every token.
         firsts = [request for request in self._awaiting_first.values() if request.timings.first_token_s is not None]
         for request in firsts:
@@ -143,44 +199,43 @@ class SimReplica:
             sim.result.first_token_s = now
             counters.prompt_tokens += request.num_prompt_tokens
             counters.cached_tokens += max(request.num_cached_tokens, 0)
-            if sim.ticket is not None:
-                sim.ticket.first_token()
+            if sim.admitted is not None:
+                self.core.first_token(sim.admitted)
         if self.record_token_times:
             requests = self._requests
             for request in progressed:
                 requests[request.request_id].result.chunk_times_s.append(now)
-        for request in scheduler.take_finished():
+        for request in self.engine.take_finished():
             sim = self._requests.pop(request.request_id)
             result = sim.result
             result.status, result.finish_s = 200, now
             result.output_tokens = request.num_output_tokens
             counters.preemptions += request.num_preemptions
-            if sim.ticket is not None:
-                sim.ticket.done()
+            if sim.admitted is not None:
+                self.core.finished(sim.admitted)
             self.events.on_done(sim)
         self._step()
+
+    def _failed(self, request_id: str, error: str) -> None:
+        """A request the engine failed on (the simulated runner never raises: kept for a runner that does)."""
+        self._awaiting_first.pop(request_id, None)
+        sim = self._requests.pop(request_id, None)
+        if sim is None:
+            return
+        if sim.admitted is not None:
+            self.core.finished(sim.admitted)
+        self._end(sim, 500, error)
 
     # ---- reports ----------------------------------------------------------------------------
 
     def routing_report(self, include_hashes: bool = True) -> RoutingReport:
-        """What LLMServer.record_routing_stats reports, built by the same RoutingReportBuilder over
-        this replica's real block pool: load, free KV blocks and the prefix cache's changes (or,
-        now and then, every hash it holds). Without include_hashes (a router that does not route
+        """What LLMServer.record_routing_stats reports: the same ReplicaCore over this engine's
+        stats, taken as LLMServer takes them. Without include_hashes (a router that does not route
         on prefixes) the cache is left out."""
-        scheduler, kv = self.scheduler, self.scheduler.kv
-        counts = dict(num_queued=scheduler.num_waiting, num_running=scheduler.num_running,
-                      num_free_kv_blocks=kv.num_free_blocks, num_total_kv_blocks=self.config.num_kv_blocks,
-                      block_size=self.config.block_size)
-        if not include_hashes:
-            return RoutingReport(self.replica_id, 0, **counts)
-        pool = kv.pool
-        return self.report_builder.build(self.replica_id, cache_seq=pool.cache_seq, changes_since=pool.changes_since,
-                                         snapshot=pool.cached_hashes, **counts)
+        since = self.core.report_base() if include_hashes else None
+        stats = self.engine.stats(include_block_hashes=include_hashes, block_hashes_since=since)
+        return self.core.routing_report(stats, include_hashes)
 
     def load_report(self) -> ReplicaLoad:
-        """What LLMServer.record_autoscaling_stats reports to the autoscaling policy."""
-        queue = self.admission.queue_stats()
-        return ReplicaLoad(replica_id=self.replica_id, num_waiting_first_token=int(queue["num_waiting_first_token"]),
-                           num_running=self.scheduler.num_running, ttft_p90_s=queue.get("ttft_p90_s"),
-                           oldest_wait_s=queue["oldest_wait_s"], kv_usage=self.scheduler.kv.usage,
-                           num_seats=self.config.max_num_seqs)
+        """What LLMServer.record_autoscaling_stats reports, as the autoscaling policy reads it."""
+        return ReplicaLoad.of(self.replica_id, self.core.load_report(self.engine.stats()))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +42,16 @@ MAX_RUNNER_FAILURES_IN_A_ROW = 3
 
 class EngineBroken(RuntimeError):
     """The runner keeps failing without any request's fault: the engine cannot serve."""
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What running one scheduled batch did, before any output is made."""
+
+    # Requests that got a token this step, in batch order.
+    progressed: list[Request]
+    # Error outputs of the requests the step failed on, by request id.
+    failed: dict[str, GenerationChunk]
 
 
 class LLMEngine:
@@ -77,7 +88,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer)
         self._rolling = RollingStats(config.stats_window)
         self.num_steps = 0
+        # Seconds spent in schedule() and execute_and_update(), over every step that ran a batch.
         self.step_time_s = 0.0
+        self._step_began_s = 0.0
         self.num_prompt_tokens_total = 0
         self.num_generated_tokens_total = 0
         self.num_finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
@@ -174,24 +187,50 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------------
 
     def step(self) -> list[GenerationChunk]:
-        start_s = self.clock()
-        batch = self.scheduler.schedule()
-        outputs: dict[str, GenerationChunk] = {}
+        """Schedule, run the batch, update: an output for every request that progressed or ended."""
+        update = self.execute_and_update(self.schedule())
+        outputs = update.failed
+        for request in update.progressed:
+            outputs[request.request_id] = self._progress_output_or_error(request)
+        for request in self.take_finished():
+            self._finish_output(request, outputs)
+        return list(outputs.values())
+
+    # ---- the phases of a step ------------------------------------------------------------------
+    # step() runs them back to back. The cluster simulator (simulator/replica.py) runs this engine
+    # over a simulated runner and lets simulated time pass between schedule() and
+    # execute_and_update(): the step time its step-time model predicts for the batch.
+
+    def schedule(self) -> SchedulerOutput:
+        """The next step's batch (empty when nothing can run)."""
+        self._step_began_s = self.clock()
+        return self.scheduler.schedule()
+
+    def execute_and_update(self, batch: SchedulerOutput) -> StepUpdate:
+        """Run the scheduled batch and apply its sampled tokens. The requests a failure blames
+        get their error output in `failed`; a failure with no culprit requeues the batch."""
+        failed: dict[str, GenerationChunk] = {}
         sampled: list[int] = []
         if not batch.is_empty:
-            batch, sampled = self._execute(batch, outputs)
+            batch, sampled = self._execute(batch, failed)
         progressed = self.scheduler.update(batch, sampled)
-        for request in progressed:
-            outputs[request.request_id] = self._progress_output_or_error(request)
-        for request in self.scheduler.take_finished():
-            self._finish_output(request, outputs)
         now_s = self.clock()
         if not batch.is_empty:
             self.num_steps += 1
-            self.step_time_s += now_s - start_s
+            self.step_time_s += now_s - self._step_began_s
         self._rolling.record_tokens(now_s, len(progressed))
         self.num_generated_tokens_total += len(progressed)
-        return list(outputs.values())
+        return StepUpdate(progressed, failed)
+
+    def take_finished(self) -> list[Request]:
+        """The requests that finished since the last call (aborted and failed ones are not
+        reported), counted by finish reason and into the TTFT window."""
+        finished = self.scheduler.take_finished()
+        for request in finished:
+            self.num_finished[request.status.finish_reason] += 1
+            if request.timings.ttft_s is not None:
+                self._rolling.record_ttft(request.timings.ttft_s)
+        return finished
 
     # ---- fault containment ---------------------------------------------------------------------
 
@@ -310,9 +349,6 @@ class LLMEngine:
         out.finish_reason = request.status.finish_reason
         out.stop_reason = request.stop_reason
         out.timings = request.timings
-        self.num_finished[out.finish_reason] += 1
-        if request.timings.ttft_s is not None:
-            self._rolling.record_ttft(request.timings.ttft_s)
 
     # ---- observation --------------------------------------------------------------------------
 

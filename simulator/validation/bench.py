@@ -32,7 +32,7 @@ from autoscaler.policy import AutoscalerConfig
 from loadtest import workloads as wl
 from loadtest.results import finite, summarize
 from simulator.cli import load_step_model
-from simulator.cluster import ClusterConfig, SimCluster
+from simulator.cluster import ClusterConfig, SimCluster, scheduler_config
 from simulator.parallel import ParallelCluster
 from loadtest.traces import (BenchRequest, LengthScaler, default_trace_path, load_azure_trace, normal_token_ids,
                              sample_lengths)
@@ -139,10 +139,7 @@ def validation(args: argparse.Namespace, step_model: Any = None) -> dict[str, An
     started_s = time.perf_counter()
     real_results, overhead_check_s = real_run(workload)
     real_wall_s = time.perf_counter() - started_s
-    limits = engine.scheduler.config
-    config = ClusterConfig(block_size=limits.block_size, num_kv_blocks=limits.num_kv_blocks,
-                           max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens,
-                           max_model_len=limits.max_model_len, num_replicas=1, step_overhead_s=max(overhead_s, 0.0),
+    config = ClusterConfig(scheduler=engine.scheduler.config, num_replicas=1, step_overhead_s=max(overhead_s, 0.0),
                            seed=args.seed)
     sim_run = SimCluster(config, step_model or load_step_model("tiny-cpu")).run(workload)
     real, sim = figures(summarize(real_results)), figures(summarize(sim_run.results))
@@ -194,8 +191,8 @@ SCALE_LINK_S = 0.001
 
 def scale_config(num_replicas: int, policy: str, seed: int) -> ClusterConfig:
     """The scale run's deployment: H100-sized KV caches and scheduler limits."""
-    return ClusterConfig(num_replicas=num_replicas, num_kv_blocks=8192, max_num_seqs=256, max_num_batched_tokens=2048,
-                         router=RouterConfig(policy=policy), record_token_times=False, seed=seed,
+    limits = scheduler_config(num_kv_blocks=8192, max_num_seqs=256, max_num_batched_tokens=2048)
+    return ClusterConfig(scheduler=limits, num_replicas=num_replicas, router=RouterConfig(policy=policy), record_token_times=False, seed=seed,
                          link_latency_s=SCALE_LINK_S, report_delay_s=SCALE_LINK_S)
 
 
@@ -239,8 +236,8 @@ def routing(args: argparse.Namespace, step_model: Any) -> dict[str, Any]:
                                  num_system_prompts=max(8, replicas // 2))
         row: dict[str, Any] = {}
         for policy in ("prefix_aware", "pow2", "round_robin"):
-            config = ClusterConfig(num_replicas=replicas, num_kv_blocks=4096, max_num_seqs=256,
-                                   max_num_batched_tokens=2048, router=RouterConfig(policy=policy),
+            limits = scheduler_config(num_kv_blocks=4096, max_num_seqs=256, max_num_batched_tokens=2048)
+            config = ClusterConfig(scheduler=limits, num_replicas=replicas, router=RouterConfig(policy=policy),
                                    record_token_times=False, seed=args.seed)
             started_s = time.perf_counter()
             run = SimCluster(config, step_model).run(workload)
@@ -297,8 +294,8 @@ def warm_spares(args: argparse.Namespace, step_model: Any) -> dict[str, Any]:
     for spares in (0, 1, 2):
         autoscaling = AutoscalerConfig(min_replicas=1, max_replicas=16, warm_spares=spares,
                                        target_queue_per_replica=8, ttft_slo_s=1.0, scale_down_delay_s=120.0)
-        config = ClusterConfig(num_replicas=1 + spares, num_kv_blocks=8192, max_num_seqs=32,
-                               max_num_batched_tokens=2048, autoscaling=autoscaling, replica_start_s=60.0,
+        limits = scheduler_config(num_kv_blocks=8192, max_num_seqs=32, max_num_batched_tokens=2048)
+        config = ClusterConfig(scheduler=limits, num_replicas=1 + spares, autoscaling=autoscaling, replica_start_s=60.0,
                                record_token_times=False, seed=args.seed)
         run = SimCluster(config, step_model).run(workload)
         summary = summarize(run.results)

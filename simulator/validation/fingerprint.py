@@ -20,7 +20,7 @@ from autoscaler.policy import AutoscalerConfig
 from loadtest import workloads as wl
 from simulator.validation.bench import scale_workload
 from simulator.cli import load_step_model
-from simulator.cluster import ClusterConfig, SimCluster, SimRun
+from simulator.cluster import ClusterConfig, SimCluster, SimRun, scheduler_config
 from loadtest.traces import normal_token_ids
 from router.policy import RouterConfig
 
@@ -42,14 +42,14 @@ def fingerprint(num_requests: int = 200, profile: str = "llama3-8b-h100") -> lis
     lines = []
     for policy in ("prefix_aware", "pow2", "round_robin"):
         for blocks in (4096, 400):
-            config = ClusterConfig(num_replicas=4, num_kv_blocks=blocks, max_num_seqs=64, max_num_batched_tokens=512,
-                                   router=RouterConfig(policy=policy), seed=0)
+            limits = scheduler_config(num_kv_blocks=blocks, max_num_seqs=64, max_num_batched_tokens=512)
+            config = ClusterConfig(scheduler=limits, num_replicas=4, router=RouterConfig(policy=policy), seed=0)
             run = SimCluster(config, step_model).run(workload)
             lines.append(f"{policy} {blocks} {digest(run)} preemptions={run.counters['preemptions']:.0f}")
     autoscaling = AutoscalerConfig(min_replicas=1, max_replicas=6, warm_spares=1, target_queue_per_replica=8,
                                    ttft_slo_s=0.5)
-    config = ClusterConfig(num_replicas=2, num_kv_blocks=2000, max_num_seqs=32, max_num_batched_tokens=1024,
-                           autoscaling=autoscaling, replica_start_s=5.0, seed=0)
+    limits = scheduler_config(num_kv_blocks=2000, max_num_seqs=32, max_num_batched_tokens=1024)
+    config = ClusterConfig(scheduler=limits, num_replicas=2, autoscaling=autoscaling, replica_start_s=5.0, seed=0)
     run = SimCluster(config, step_model).run(scale_workload(15 * num_requests, 60.0, 0))
     lines.append(f"autoscale {digest(run)} max_ready={max(d['ready'] for d in run.decisions)}")
     return lines

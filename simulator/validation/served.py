@@ -68,7 +68,7 @@ from simulator.validation.bench import figures, rel_errors, trace_workload
 from simulator.cli import load_step_model
 from simulator.cluster import ClusterConfig, SimCluster, SimRun
 from loadtest.traces import BenchRequest
-from model_worker.config import EngineConfig
+from model_worker.config import EngineConfig, SchedulerConfig
 from router.policy import RouterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -139,11 +139,11 @@ def cluster_config(app_args: dict[str, Any], max_model_len: int, **extra: Any) -
     if engine.num_kv_blocks is None:
         raise ValueError("the validation needs a fixed num_kv_blocks (a cache sized from memory is not known here)")
     router, ttl_s = router_config(app_args.get("router", {"policy": "prefix_aware"}))
-    return ClusterConfig(block_size=engine.block_size, num_kv_blocks=engine.num_kv_blocks,
-                         max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
-                         max_model_len=min(engine.max_model_len or max_model_len, max_model_len),
-                         enable_prefix_caching=engine.enable_prefix_caching,
-                         num_replicas=app_args.get("num_replicas") or 1, router=router, dispatch_ttl_s=ttl_s,
+    limits = SchedulerConfig(block_size=engine.block_size, num_kv_blocks=engine.num_kv_blocks,
+                             max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
+                             max_model_len=min(engine.max_model_len or max_model_len, max_model_len),
+                             enable_prefix_caching=engine.enable_prefix_caching, batching=engine.batching)
+    return ClusterConfig(scheduler=limits, num_replicas=app_args.get("num_replicas") or 1, router=router, dispatch_ttl_s=ttl_s,
                          routing_stats_period_s=app_args.get("routing_stats_period_s", 1.0),
                          admission=dict(app_args.get("admission", {})), **extra)
 

@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 from ray.exceptions import ActorDiedError
 
-from autoscaler.admission import AdmissionController, replica_policy
 from contracts.priority import Priority
 from contracts.serving import GenerateRequest
 from deployments.errors import APIError
 from deployments.handle_backend import HandleBackend
 from deployments.llm_server import LLMServer
+from deployments.replica_core import ReplicaCore
 from deployments.retry_policy import RetryPolicy
 from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from tests.unit.fakes import ByteTokenizer, FakeKVRunner
@@ -201,10 +201,11 @@ def test_unary_generate_migrates_too(cluster):
 
 def test_when_every_replica_sheds_the_client_gets_429_with_retry_after(cluster):
     handle, backend = cluster
-    saved = {name: replica.admission for name, replica in handle.replicas.items()}
+    saved = {name: replica.core for name, replica in handle.replicas.items()}
     for replica in handle.replicas.values():
-        replica.admission = AdmissionController(replica_policy(max_waiting_requests=1), replica.clock)
-        replica.admission.admit(Priority.INTERACTIVE)  # as if one request waited on each
+        replica.core = ReplicaCore(replica.replica_id, replica.engine.limits, replica.clock,
+                                   admission={"max_waiting_requests": 1})
+        replica.core.admit("waiting", Priority.INTERACTIVE)  # as if one request waited on each
 
     async def main():
         with pytest.raises(APIError) as info:
@@ -214,8 +215,8 @@ def test_when_every_replica_sheds_the_client_gets_429_with_retry_after(cluster):
     error = run(main())
     assert error.status == 429 and error.code == "overloaded" and error.retry_after_s
     assert len(handle.calls) == 3
-    for name, admission in saved.items():
-        handle.replicas[name].admission = admission
+    for name, core in saved.items():
+        handle.replicas[name].core = core
 
 
 class CountingBroadcast:

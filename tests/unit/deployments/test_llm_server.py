@@ -8,6 +8,7 @@ import pytest
 
 from contracts.serving import GenerateRequest
 from deployments.app_config import AppArgs
+from deployments.errors import APIError
 from autoscaler.admission import replica_policy
 from contracts.priority import Priority
 from deployments.llm_server import LLMServer, _engine_config
@@ -258,3 +259,41 @@ def test_the_chunk_budget_must_be_positive():
             LLMServer(engine=engine, served_model_name="m", stream_chunks_per_s=0)
     finally:
         engine.shutdown()
+
+
+def test_at_the_default_limits_the_replica_sheds_batch_from_128_waiting_and_everything_at_256():
+    # Requests held at their admission chunk have no first token: each stays in the replica's queue.
+    server = make_server()
+
+    async def admit(n: int, priority: Priority, held: list) -> None:
+        for _ in range(n):
+            stream = server.generate_stream(GenerateRequest([5, 6, 7, 8], SamplingParams(max_tokens=1),
+                                                            priority=priority))
+            await stream.__anext__()
+            held.append(stream)
+
+    async def refused(priority: Priority) -> APIError:
+        with pytest.raises(APIError) as refusal:
+            await admit(1, priority, [])
+        return refusal.value
+
+    async def main():
+        held: list = []
+        try:
+            await admit(128, Priority.BATCH, held)
+            batch = await refused(Priority.BATCH)
+            await admit(128, Priority.INTERACTIVE, held)
+            interactive = await refused(Priority.INTERACTIVE)
+            stats = await server.record_autoscaling_stats()
+            return batch, interactive, stats
+        finally:
+            for stream in held:
+                await stream.aclose()
+
+    try:
+        batch, interactive, stats = asyncio.run(main())
+    finally:
+        server.shutdown()
+    assert (batch.status, batch.code, interactive.status, interactive.code) == (429, "overloaded", 429, "overloaded")
+    assert "batch limit 128" in batch.message and "max_waiting_requests=256" in interactive.message
+    assert stats["num_waiting_first_token"] == 256 and stats["num_shed"] == 2

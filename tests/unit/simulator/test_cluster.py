@@ -10,7 +10,7 @@ import pytest
 from autoscaler.policy import AutoscalerConfig
 from loadtest import workloads as wl
 from loadtest.results import summarize
-from simulator.cluster import REPORT_BASE_BYTES, ClusterConfig, SimCluster
+from simulator.cluster import REPORT_BASE_BYTES, ClusterConfig, SimCluster, scheduler_config
 from simulator.events import EventLoop
 from loadtest.traces import BenchRequest, normal_token_ids
 from router.policy import RouterConfig
@@ -94,7 +94,8 @@ def test_one_request_takes_the_steps_the_real_scheduler_gives_it():
     """A 1000-token prompt under a 512-token budget is two prefill steps, the second sampling the
     first token; each later token is one step."""
     steps = FixedSteps(base_s=0.02)
-    run = SimCluster(ClusterConfig(max_num_batched_tokens=512), steps).run([one_request(1000, 5, arrival_s=1.0)])
+    config = ClusterConfig(scheduler=scheduler_config(max_num_batched_tokens=512))
+    run = SimCluster(config, steps).run([one_request(1000, 5, arrival_s=1.0)])
     result = run.results[0]
     assert result.ok and result.output_tokens == 5
     assert result.ttft_s == pytest.approx(2 * 0.02)
@@ -124,7 +125,8 @@ def test_round_robin_spreads_evenly_and_prefix_aware_keeps_prefixes_together():
         # Caches of 80 blocks hold about two of the eight 32-block prefixes: spreading them evicts.
         # 3 replicas: round-robin then sends every prefix to every replica (with 4, prefix i % 8 would
         # always meet replica i % 4).
-        config = ClusterConfig(num_replicas=3, num_kv_blocks=80, max_num_seqs=8, router=RouterConfig(policy=policy))
+        config = ClusterConfig(scheduler=scheduler_config(num_kv_blocks=80, max_num_seqs=8), num_replicas=3,
+                               router=RouterConfig(policy=policy))
         runs[policy] = SimCluster(config, FixedSteps(0.005, 0.00002)).run(workload)
         assert all(r.ok for r in runs[policy].results)
     hit = {policy: run.counters["cached_tokens"] / run.counters["prompt_tokens"] for policy, run in runs.items()}
@@ -137,7 +139,7 @@ def test_round_robin_spreads_evenly_and_prefix_aware_keeps_prefixes_together():
 
 def test_admission_refuses_past_its_queue_limit():
     workload = [one_request(16, 50, 0.0, f"r{i}") for i in range(40)]
-    config = ClusterConfig(max_num_seqs=4, admission={"max_waiting_requests": 10})
+    config = ClusterConfig(scheduler=scheduler_config(max_num_seqs=4), admission={"max_waiting_requests": 10})
     run = SimCluster(config, FixedSteps(0.01)).run(workload)
     statuses = [r.status for r in run.results]
     assert statuses.count(503) > 0 and statuses.count(200) > 0 and set(statuses) == {200, 503}
@@ -149,7 +151,7 @@ def test_autoscaling_adds_replicas_that_serve_only_after_they_start():
     times = wl.step_arrivals([(20.0, 2.0), (40.0, 20.0)], seed=0)
     workload = wl.synthetic(len(times), wl.LengthDist("fixed", 64, 64, 64), wl.LengthDist("fixed", 64, 64, 64),
                             times, pool, seed=0)
-    config = ClusterConfig(num_replicas=1, max_num_seqs=8,
+    config = ClusterConfig(scheduler=scheduler_config(max_num_seqs=8), num_replicas=1,
                            autoscaling=AutoscalerConfig(min_replicas=1, max_replicas=8, scale_up_delay_s=1.0),
                            replica_start_s=10.0)
     run = SimCluster(config, FixedSteps(0.02)).run(workload)
@@ -189,8 +191,8 @@ def test_delta_reports_route_exactly_as_full_snapshots_for_far_fewer_bytes():
     workload = shared_prefix_workload(600, 60.0)
     runs = {}
     for mode in ("full", "delta"):
-        config = ClusterConfig(num_replicas=3, num_kv_blocks=400, max_num_seqs=8, report_mode=mode,
-                               routing_stats_period_s=0.2)
+        config = ClusterConfig(scheduler=scheduler_config(num_kv_blocks=400, max_num_seqs=8), num_replicas=3,
+                               report_mode=mode, routing_stats_period_s=0.2)
         runs[mode] = SimCluster(config, FixedSteps(0.005, 0.00002)).run(workload)
     full, delta = runs["full"], runs["delta"]
     assert [r.finish_s for r in full.results] == [r.finish_s for r in delta.results]
@@ -228,8 +230,9 @@ def test_capacity_plan_finds_the_fewest_replicas_meeting_the_slo(monkeypatch):
 
 def test_request_latency_counts_in_ttft_and_e2e_but_not_between_tokens():
     steps = FixedSteps(base_s=0.02)
-    plain = SimCluster(ClusterConfig(max_num_batched_tokens=512), steps).run([one_request(100, 5)]).results[0]
-    late = SimCluster(ClusterConfig(max_num_batched_tokens=512, request_latency_s=0.005), steps).run(
+    limits = scheduler_config(max_num_batched_tokens=512)
+    plain = SimCluster(ClusterConfig(scheduler=limits), steps).run([one_request(100, 5)]).results[0]
+    late = SimCluster(ClusterConfig(scheduler=limits, request_latency_s=0.005), steps).run(
         [one_request(100, 5)]).results[0]
     assert late.ttft_s == pytest.approx(plain.ttft_s + 0.005)
     assert late.e2e_s == pytest.approx(plain.e2e_s + 0.005)
@@ -251,3 +254,14 @@ def test_the_run_turns_the_cycle_collector_off_and_back_on():
     assert gc.isenabled()
     SimCluster(ClusterConfig(), Probe()).run([one_request(100, 3)])
     assert seen and not any(seen) and gc.isenabled()
+
+
+def test_at_the_default_limits_a_replica_sheds_batch_from_128_waiting_and_everything_at_256():
+    # Every request arrives before the first step ends, so none has a first token yet.
+    batch = [BenchRequest(f"b{i}", tuple(range(16)), 4, 0.0, priority="batch") for i in range(150)]
+    interactive = [BenchRequest(f"i{i}", tuple(range(16)), 4, 0.001, priority="interactive") for i in range(150)]
+    run = SimCluster(ClusterConfig(scheduler=scheduler_config(max_num_seqs=4)), FixedSteps(1.0)).run(batch + interactive)
+    by_id = {r.request_id: r.status for r in run.results}
+    assert [by_id[b.request_id] for b in batch].count(503) == 150 - 128
+    assert [by_id[i.request_id] for i in interactive].count(503) == 150 - 128
+    assert run.counters["refused"] == 2 * (150 - 128)

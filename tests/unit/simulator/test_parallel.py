@@ -11,7 +11,7 @@ from autoscaler.policy import AutoscalerConfig
 from loadtest import workloads as wl
 from simulator.validation.bench import scale_workload
 from simulator.cli import load_step_model
-from simulator.cluster import ClusterConfig, SimCluster
+from simulator.cluster import ClusterConfig, SimCluster, scheduler_config
 from simulator.parallel import ParallelCluster
 from loadtest.traces import normal_token_ids
 from router.policy import RouterConfig
@@ -19,10 +19,10 @@ from router.policy import RouterConfig
 LINK_S = 0.001
 
 
-def config(policy: str = "prefix_aware", **overrides) -> ClusterConfig:
-    base = dict(num_replicas=5, num_kv_blocks=600, max_num_seqs=32, max_num_batched_tokens=512,
-                router=RouterConfig(policy=policy), routing_stats_period_s=0.05, link_latency_s=LINK_S,
-                report_delay_s=0.002, seed=3)
+def config(policy: str = "prefix_aware", max_num_seqs: int = 32, **overrides) -> ClusterConfig:
+    limits = scheduler_config(num_kv_blocks=600, max_num_seqs=max_num_seqs, max_num_batched_tokens=512)
+    base = dict(num_replicas=5, scheduler=limits, router=RouterConfig(policy=policy), routing_stats_period_s=0.05,
+                link_latency_s=LINK_S, report_delay_s=0.002, seed=3)
     base.update(overrides)
     return ClusterConfig(**base)
 

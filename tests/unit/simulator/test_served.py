@@ -89,8 +89,9 @@ def test_cluster_config_takes_the_deployments_limits_router_and_admission():
            "engine_args": {"num_kv_blocks": 320, "max_num_seqs": 4, "emulated_step_time_s": 0.05},
            "router": {"policy": "pow2", "dispatch_ttl_s": 4.0}, "admission": {"max_waiting_requests": 7}}
     config = cluster_config(app, 2048, step_overhead_s=0.002)
-    assert (config.num_kv_blocks, config.max_num_seqs, config.num_replicas) == (320, 4, 3)
-    assert (config.block_size, config.max_num_batched_tokens, config.max_model_len) == (16, 512, 2048)
+    limits = config.scheduler
+    assert (limits.num_kv_blocks, limits.max_num_seqs, config.num_replicas) == (320, 4, 3)
+    assert (limits.block_size, limits.max_num_batched_tokens, limits.max_model_len) == (16, 512, 2048)
     assert config.router.policy == "pow2" and config.dispatch_ttl_s == 4.0
     assert config.routing_stats_period_s == 0.5 and config.admission == {"max_waiting_requests": 7}
     assert config.step_overhead_s == 0.002
