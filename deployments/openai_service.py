@@ -15,27 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from typing import Any
 
 from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo
 from deployments import openai_protocol as oai
+from deployments.backend import Backend
 from deployments.errors import APIError
-from deployments.metrics import Exposition, by_label
+from deployments.metrics import IngressMetrics, render_ingress_metrics
 from deployments.request_builder import RequestBuilder
-
-
-class Backend(Protocol):
-    async def generate(self, request: GenerateRequest) -> GenerationChunk: ...
-
-    def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]: ...
-
-    async def health(self) -> tuple[bool, dict[str, Any]]: ...
-
-    async def metrics_snapshots(self) -> list[dict[str, Any]]: ...
-
-    async def replica_states(self) -> dict[str, int]: ...
 
 
 class OpenAIService:
@@ -65,58 +52,13 @@ class OpenAIService:
                                             "owned_by": "iterserve", "max_model_len": info.max_model_len}]}
 
     async def metrics_text(self) -> str:
-        exposition = Exposition()
-        for snapshot in await self.backend.metrics_snapshots():
-            replica = {"model_name": snapshot["model_name"], "replica": snapshot["replica"]}
-            for family in snapshot["families"]:
-                exposition.add(family, replica)
-        model = {"model_name": self.info.served_model_name}
-        states = dict(sorted((await self.backend.replica_states()).items()))
-        exposition.add(by_label(GaugeMetricFamily("iterserve_replicas", "LLMServer replicas by state.",
-                                                  labels=["state"]), states), model)
-        admission = getattr(self.backend, "admission", None)
-        if admission is not None:
-            self._add_admission(exposition, admission.snapshot())
-        failover = getattr(self.backend, "failover_counters", None)
-        if failover is not None:
-            counters = failover()
-            ingress = {**model, "ingress": self.ingress_id}
-            if "failed_attempts" in counters:
-                exposition.add(CounterMetricFamily(
-                    "iterserve_ingress_failed_attempts_total",
-                    "Attempts whose replica died, froze or refused; each was retried elsewhere or failed.",
-                    value=counters["failed_attempts"]), ingress)
-            if "migrated" in counters:
-                exposition.add(CounterMetricFamily(
-                    "iterserve_ingress_requests_migrated_total",
-                    "Requests resumed on another replica after some tokens were sent.",
-                    value=counters["migrated"]), ingress)
-        responses = CounterMetricFamily("iterserve_http_responses_total", "HTTP responses by endpoint and status.",
-                                        labels=["endpoint", "status"])
-        for (endpoint, status), count in sorted(self.http_responses.items()):
-            responses.add_metric([endpoint, str(status)], count)
-        exposition.add(responses, {"ingress": self.ingress_id})
-        return exposition.render()
-
-    def _add_admission(self, exposition: Exposition, snapshot: dict[str, float]) -> None:
-        """The ingress's admission control (autoscaler/admission.py), labelled by ingress replica."""
-        labels = {"model_name": self.info.served_model_name, "ingress": self.ingress_id}
-        waiting = GaugeMetricFamily("iterserve_ingress_requests_waiting",
-                                    "Requests this ingress sent that have no first token yet.", labels=["priority"])
-        shed = CounterMetricFamily("iterserve_ingress_requests_shed_total",
-                                   "Requests this ingress refused with 429 before sending them.", labels=["priority"])
-        timed_out = CounterMetricFamily("iterserve_ingress_queue_timeouts_total",
-                                        "Admitted requests given up with 503 for want of a first token in time.",
-                                        labels=["priority"])
-        for priority in ("interactive", "batch"):
-            waiting.add_metric([priority], snapshot[f"num_waiting_first_token_{priority}"])
-            shed.add_metric([priority], snapshot[f"num_shed_{priority}"])
-            timed_out.add_metric([priority], snapshot[f"num_timed_out_{priority}"])
-        predicted = GaugeMetricFamily("iterserve_ingress_predicted_wait_seconds",
-                                      "Wait for a first token this ingress predicts for a new request.",
-                                      value=snapshot["predicted_wait_s"])
-        for family in (waiting, shed, timed_out, predicted):
-            exposition.add(family, labels)
+        """/metrics: what the replicas and this ingress count, gathered now."""
+        backend = self.backend
+        return render_ingress_metrics(IngressMetrics(
+            model_name=self.info.served_model_name, ingress_id=self.ingress_id,
+            replicas=await backend.metrics_snapshots(), replica_states=await backend.replica_states(),
+            admission=backend.admission_stats(), failover=backend.failover_counters(),
+            http_responses=dict(self.http_responses)))
 
     def record_response(self, endpoint: str, status: int) -> None:
         key = (endpoint, status)
