@@ -17,7 +17,7 @@ from typing import Any
 
 from contracts.serving import GenerateRequest, ModelInfo
 from deployments import openai_protocol as oai
-from deployments.errors import invalid
+from deployments.errors import invalid, rejected
 from model_worker.sched.hashing import hash_prompt_blocks
 from model_worker.sched.request_checks import RequestRejected, check_context_length, check_not_empty, check_token_ids
 
@@ -73,7 +73,7 @@ class RequestBuilder:
             prompts = [self._encode(p) for p in parsed.prompts]
             return [self._request(parsed, index, token_ids, "prompt") for index, token_ids in enumerate(prompts)]
         except RequestRejected as exc:
-            raise invalid(exc.param, str(exc), exc.code) from None
+            raise rejected(exc) from None
 
     def _request(self, parsed: oai.ParsedRequest, index: int, token_ids: list[int], param: str) -> GenerateRequest:
         max_tokens = check_context_length(len(token_ids), parsed.max_tokens, self.info.max_model_len, param)
