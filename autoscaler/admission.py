@@ -297,8 +297,15 @@ class AdmissionController:
         """Age of the oldest request still waiting for its first token; 0 with none waiting."""
         return self._oldest_wait_s(self._clock())
 
+    def num_waiting(self, priority: Priority) -> int:
+        """Admitted requests of this priority without a first token yet."""
+        return self._num_waiting[priority]
+
     def num_shed(self, priority: Priority) -> int:
         return self._num_shed[priority]
+
+    def num_timed_out(self, priority: Priority) -> int:
+        return self._num_timed_out[priority]
 
     def timed_out(self, ticket: Ticket) -> None:
         """The ticket's request waited past its queue timeout (counted; done() still ends it)."""

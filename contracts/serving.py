@@ -3,8 +3,8 @@
 One GenerateRequest carries everything a replica and a request router need: the token ids (the
 ingress tokenizes once), the prompt's chained block hashes (computed once, by the ingress, with
 the engine's own `hash_prompt_blocks` and the request's cache key; the router scores by them and
-the replica's cache uses them as sent, after `LLMEngine.check_block_hashes`), sampling parameters
-and priority.
+the replica's cache uses them as sent, after `RequestChecker.check_block_hashes`), sampling
+parameters and priority.
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ from ray.serve.handle import DeploymentHandle
 
 from autoscaler.admission import AdmissionPolicy
 from autoscaler.serve_policy import autoscaling_config
-from deployments.admitted_backend import AdmittedBackend
 from deployments.app_config import AppArgs
 from deployments.frontend import OpenAIFrontend
 from deployments.handle_backend import HandleBackend
+from deployments.ingress_admission import IngressAdmission
 from deployments.llm_server import LLMServer
 from deployments.retry_policy import RetryPolicy
 
@@ -91,8 +91,8 @@ class OpenAIIngress(OpenAIFrontend):
                  retry: dict[str, Any] | None = None, body_timeout_s: float = 30.0) -> None:
         context = serve.get_replica_context()
         source = tokenizer or model
-        replicas = HandleBackend(llm_server, context.app_name, LLM_SERVER, RetryPolicy(**(retry or {})))
-        backend = AdmittedBackend(replicas, AdmissionPolicy(**(admission or {})), time.monotonic)
+        backend = HandleBackend(llm_server, context.app_name, LLM_SERVER, RetryPolicy(**(retry or {})),
+                                admission=IngressAdmission(AdmissionPolicy(**(admission or {})), time.monotonic))
         super().__init__(backend, lambda: _load_tokenizer(source), api_key=api_key,
                          ingress_id=context.replica_id.unique_id, body_timeout_s=body_timeout_s)
         self.load_tokenizer_now()

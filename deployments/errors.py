@@ -6,7 +6,10 @@ the ingress and a Python handle caller both catch `APIError` and read the same f
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from model_worker.sched.request_checks import RequestRejected
 
 
 class APIError(Exception):
@@ -31,6 +34,12 @@ class APIError(Exception):
 
 def invalid(param: str | None, message: str, code: str | None = None) -> APIError:
     return APIError(message, 400, "invalid_request_error", param, code)
+
+
+def rejected(exc: RequestRejected) -> APIError:
+    """The engine door's refusal (model_worker/sched/request_checks.py) as the client reads it:
+    400, with the door's own message, code and param."""
+    return invalid(exc.param, str(exc), exc.code)
 
 
 def overloaded(message: str, retry_after_s: float) -> APIError:

@@ -21,7 +21,8 @@ from starlette.routing import Route
 
 from deployments.errors import APIError, internal, invalid, not_ready
 from deployments.openapi import openapi_spec
-from deployments.openai_service import Backend, OpenAIService
+from deployments.backend import Backend
+from deployments.openai_service import OpenAIService
 
 # A request body larger than this is refused (413) before it is read whole: 256k tokens of text
 # with JSON overhead fit comfortably.

@@ -21,6 +21,10 @@ generation runs as a sequence of attempts, each on another replica:
 - After `max_attempts` the request fails with 503 and the reason of the last attempt. Errors the
   request itself caused (400, 500 generation_failed) are never retried: they would fail again.
 
+Before any attempt, the ingress's admission control (`IngressAdmission`, when given) admits the
+request or refuses it with 429, and gives it up with 503 if no first token comes in time: the
+sequence of attempts is a stage behind it, so its queue timeout covers every attempt.
+
 Broadcasts (health, metrics) wait for each replica separately: one slow replica costs its own
 reply, never the others' (it is named in the answer instead).
 """
@@ -32,7 +36,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any
 
 from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
@@ -41,6 +45,8 @@ from ray.serve.handle import DeploymentHandle
 
 from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo, whole_response
 from deployments.errors import APIError, internal, not_ready, overloaded
+from deployments.ingress_admission import IngressAdmission
+from deployments.metrics import AdmissionStats, FailoverCounters, ReplicaMetrics
 from deployments.retry_policy import RetryPolicy
 
 # What Ray raises when the replica behind a call is gone (killed, crashed, its node lost).
@@ -66,12 +72,15 @@ class HandleBackend:
     """The Backend over a DeploymentHandle; Ray and Serve failures become APIErrors."""
 
     def __init__(self, handle: DeploymentHandle, app_name: str, deployment_name: str,
-                 retry: RetryPolicy | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 retry: RetryPolicy | None = None, clock: Callable[[], float] = time.monotonic,
+                 admission: IngressAdmission | None = None) -> None:
         self.handle = handle
         self.app_name = app_name
         self.deployment_name = deployment_name
         self.retry = retry or RetryPolicy()
         self.clock = clock
+        # None: every request is sent (the replicas' own 429 is then the only shedding).
+        self.admission = admission
         # Requests resumed on another replica, and attempts that failed over, since start.
         self.num_migrated = 0
         self.num_failed_attempts = 0
@@ -83,17 +92,27 @@ class HandleBackend:
     async def model_info(self) -> ModelInfo:
         return await _call(lambda: self.handle.model_info.remote())
 
-    def failover_counters(self) -> dict[str, int]:
+    def failover_counters(self) -> FailoverCounters:
         """For /metrics: attempts that failed over, and requests resumed mid-stream elsewhere."""
-        return {"failed_attempts": self.num_failed_attempts, "migrated": self.num_migrated}
+        return FailoverCounters(num_failed_attempts=self.num_failed_attempts, num_migrated=self.num_migrated)
+
+    def admission_stats(self) -> AdmissionStats | None:
+        return self.admission.stats() if self.admission is not None else None
 
     # ---- generation ---------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> GenerationChunk:
+        """Sent as a stream, so that the admission stage sees its first token."""
         return await whole_response(request.request_id, self.generate_stream(request))
 
-    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
-        """The request's chunks, across as many attempts as its replicas need (module docstring)."""
+    def generate_stream(self, request: GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
+        """The request's chunks: admitted first, then across as many attempts as its replicas need
+        (module docstring)."""
+        if self.admission is None:
+            return self._attempts(request)
+        return self.admission.watch(request, self._attempts)
+
+    async def _attempts(self, request: GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
         progress = _Progress(request)
         avoid: list[str] = []
         for attempt in range(1, self.retry.max_attempts + 1):
@@ -189,9 +208,9 @@ class HandleBackend:
             detail["unresponsive_replicas"] = silent
         return healthy, detail
 
-    async def metrics_snapshots(self) -> list[dict[str, Any]]:
+    async def metrics_snapshots(self) -> list[ReplicaMetrics]:
         replies, _ = await self._broadcast("metrics_snapshot")
-        return replies
+        return [ReplicaMetrics.of(reply) for reply in replies]
 
     async def _broadcast(self, method: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """(replies, silent): the dict replies of every replica that answered within

@@ -2,7 +2,8 @@
 
 Each LLMServer replica keeps its own histograms in its own CollectorRegistry (never the global
 default: several replicas and tests can share a process) and hands out its metric families, which
-pickle, as a snapshot. The ingress gathers the snapshots of every replica (a Serve broadcast) into
+pickle, as a snapshot. The ingress gathers the snapshots of every replica (a Serve broadcast) and
+its own counts into an `IngressMetrics`, and `render_ingress_metrics` writes the /metrics text:
 one `Exposition`, one series per replica (label `replica`), so `sum by (...)` in PromQL gives the
 application's view. Names follow vLLM's where one exists, with `iterserve_` for `vllm:`.
 """
@@ -10,12 +11,16 @@ application's view. Names follow vLLM's where one exists, with `iterserve_` for 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+from contracts.priority import Priority
 
 # Latency buckets in seconds. TTFT spans a cache hit on a short prompt (ms) to a long queue (min).
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
@@ -79,3 +84,115 @@ class Exposition(Collector):
 
     def render(self) -> str:
         return generate_latest(self).decode()
+
+
+# ---- the ingress's /metrics -------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaMetrics:
+    """One LLMServer replica's metric families, as its `metrics_snapshot` sent them."""
+
+    replica: str
+    model_name: str
+    families: list[Metric]
+
+    @classmethod
+    def of(cls, snapshot: Mapping[str, Any]) -> "ReplicaMetrics":
+        """From the dict LLMServer.metrics_snapshot returns."""
+        return cls(snapshot["replica"], snapshot["model_name"], list(snapshot["families"]))
+
+
+@dataclass(slots=True, frozen=True)
+class AdmissionStats:
+    """The ingress's admission control (autoscaler/admission.py), by priority."""
+
+    # Requests this ingress sent that have no first token yet.
+    num_waiting: Mapping[Priority, int]
+    # Requests refused with 429 before being sent, since start.
+    num_shed: Mapping[Priority, int]
+    # Admitted requests given up with 503 for want of a first token in time, since start.
+    num_timed_out: Mapping[Priority, int]
+    # The wait for a first token predicted for a new request now.
+    predicted_wait_s: float
+
+
+@dataclass(slots=True, frozen=True)
+class FailoverCounters:
+    """The ingress's failover across replicas (deployments/handle_backend.py), since start."""
+
+    # Attempts whose replica died, froze or refused; each was retried elsewhere or failed.
+    num_failed_attempts: int
+    # Requests resumed on another replica after some tokens were sent.
+    num_migrated: int
+
+
+@dataclass(slots=True, frozen=True)
+class IngressMetrics:
+    """What one ingress replica's /metrics shows, gathered at one scrape."""
+
+    model_name: str
+    ingress_id: str
+    replicas: Sequence[ReplicaMetrics]
+    # Serve's LLMServer replicas by state ("RUNNING", "STARTING", ...).
+    replica_states: Mapping[str, int]
+    # None for a backend without admission control or without failover.
+    admission: AdmissionStats | None
+    failover: FailoverCounters | None
+    # (endpoint, status code) -> HTTP responses this ingress replica sent.
+    http_responses: Mapping[tuple[str, int], int]
+
+
+def render_ingress_metrics(metrics: IngressMetrics) -> str:
+    """The Prometheus text format 0.0.4 of one scrape: every replica's families labelled with
+    model_name and replica, then the ingress's own, labelled with model_name and ingress."""
+    exposition = Exposition()
+    for replica in metrics.replicas:
+        for family in replica.families:
+            exposition.add(family, {"model_name": replica.model_name, "replica": replica.replica})
+    model = {"model_name": metrics.model_name}
+    ingress = {**model, "ingress": metrics.ingress_id}
+    states = dict(sorted(metrics.replica_states.items()))
+    exposition.add(by_label(GaugeMetricFamily("iterserve_replicas", "LLMServer replicas by state.",
+                                              labels=["state"]), states), model)
+    if metrics.admission is not None:
+        for family in _admission_families(metrics.admission):
+            exposition.add(family, ingress)
+    if metrics.failover is not None:
+        for family in _failover_families(metrics.failover):
+            exposition.add(family, ingress)
+    responses = CounterMetricFamily("iterserve_http_responses_total", "HTTP responses by endpoint and status.",
+                                    labels=["endpoint", "status"])
+    for (endpoint, status), count in sorted(metrics.http_responses.items()):
+        responses.add_metric([endpoint, str(status)], count)
+    exposition.add(responses, {"ingress": metrics.ingress_id})
+    return exposition.render()
+
+
+def _admission_families(stats: AdmissionStats) -> list[Metric]:
+    by_priority = [
+        ("iterserve_ingress_requests_waiting", GaugeMetricFamily,
+         "Requests this ingress sent that have no first token yet.", stats.num_waiting),
+        ("iterserve_ingress_requests_shed_total", CounterMetricFamily,
+         "Requests this ingress refused with 429 before sending them.", stats.num_shed),
+        ("iterserve_ingress_queue_timeouts_total", CounterMetricFamily,
+         "Admitted requests given up with 503 for want of a first token in time.", stats.num_timed_out),
+    ]
+    families: list[Metric] = [by_label(kind(name, help_text, labels=["priority"]),
+                                       {p.label: counts[p] for p in Priority})
+                              for name, kind, help_text, counts in by_priority]
+    families.append(GaugeMetricFamily("iterserve_ingress_predicted_wait_seconds",
+                                      "Wait for a first token this ingress predicts for a new request.",
+                                      value=stats.predicted_wait_s))
+    return families
+
+
+def _failover_families(counters: FailoverCounters) -> list[Metric]:
+    return [
+        CounterMetricFamily("iterserve_ingress_failed_attempts_total",
+                            "Attempts whose replica died, froze or refused; each was retried elsewhere or failed.",
+                            value=counters.num_failed_attempts),
+        CounterMetricFamily("iterserve_ingress_requests_migrated_total",
+                            "Requests resumed on another replica after some tokens were sent.",
+                            value=counters.num_migrated),
+    ]

@@ -28,7 +28,7 @@ from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.engine.llm_engine import LLMEngine
 from model_worker.engine.engine_loop import EngineInfo, ProcessCore, ProgressTuple, ThreadCore
 from model_worker.engine.output_processor import OutputProcessor
-from model_worker.sched.request_checks import RequestChecker, RequestRejected
+from model_worker.sched.request_checks import RequestChecker, check_request_id_unused
 
 
 class EngineDeadError(RuntimeError):
@@ -266,16 +266,11 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is not running") from self._error
         request_id = request_id or uuid.uuid4().hex
         params = params if params is not None else SamplingParams()
-        token_ids = self.checks.tokenize(prompt)
-        resumed = self.checks.check_resumed(resumed_token_ids, params)
-        hashes = self.checks.check_block_hashes(block_hashes, token_ids, cache_key)
-        self.checks.check_fits(len(token_ids), params.max_tokens)
+        token_ids, resumed, hashes = self.checks.check(prompt, params, resumed_token_ids, block_hashes, cache_key)
         priority = Priority.parse(priority)
         stream = RequestStream(request_id, asyncio.get_running_loop(), self, len(token_ids))
         with self._streams_lock:
-            if request_id in self._streams:
-                raise RequestRejected(f"request id {request_id!r} is already in use",
-                                      code="duplicate_request_id", param="request_id")
+            check_request_id_unused(request_id, self._streams)
             self._streams[request_id] = stream
         self.outputs.add(request_id, token_ids, params.stop, resumed)
         # Arrival is stamped here, on the clock every process of the machine shares.

@@ -123,9 +123,8 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestRejected("params must be a SamplingParams", param="params")
-        resumed = self.checks.check_resumed(resumed_token_ids, params)
-        prompt_token_ids = self.checks.tokenize(prompt)
-        hashes = self.checks.check_block_hashes(block_hashes, prompt_token_ids, cache_key)
+        prompt_token_ids, resumed, hashes = self.checks.check(prompt, params, resumed_token_ids, block_hashes,
+                                                              cache_key)
         return self.add_checked_request(request_id, prompt_token_ids, params, Priority.parse(priority),
                                         self.clock() if arrival_time is None else arrival_time,
                                         cache_key, resumed, hashes)
@@ -133,10 +132,10 @@ class LLMEngine:
     def add_checked_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                             priority: Priority, arrival_s: float, cache_key: str | None, resumed: list[int],
                             block_hashes: list[int]) -> Request:
-        """Queue a request whose prompt, resumed tokens and block hashes already passed
-        `self.checks` (AsyncLLMEngine runs them where the request comes in): the engine core does
-        not scan a prompt a second time between two steps. The scheduler still refuses a duplicate
-        id or a request that cannot fit."""
+        """Queue a request that already passed `self.checks.check` (AsyncLLMEngine runs it where
+        the request comes in): the engine core does not scan a prompt a second time between two
+        steps. The scheduler still refuses a duplicate id or a request larger than the whole KV
+        cache, its own invariants."""
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

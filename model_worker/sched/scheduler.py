@@ -24,7 +24,7 @@ from model_worker.sched.batch import ScheduledSequence, SchedulerOutput
 from model_worker.config import SchedulerConfig
 from model_worker.sched.kv_cache_manager import KVCacheManager
 from model_worker.sched.request import Priority, Request, RequestStatus
-from model_worker.sched.request_checks import RequestRejected, check_fits
+from model_worker.sched.request_checks import RequestRejected, check_kv_capacity, check_request_id_unused
 from model_worker.sched.request_queue import RequestQueue
 
 __all__ = ["RequestRejected", "Scheduler"]
@@ -65,14 +65,13 @@ class Scheduler:
         self.waiting.push(request)
 
     def _validate(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise RequestRejected(f"request id {request.request_id!r} is already in use",
-                                  code="duplicate_request_id", param="request_id")
-        self.check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
-
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise RequestRejected for a request that could never run. Reads only config."""
-        check_fits(self.config, num_prompt_tokens, max_tokens)
+        """The scheduler's own invariants: one request per id, and every request can fit the whole
+        cache (one that cannot would wait, or preempt everything, forever). The rest (token ids,
+        the context length, block hashes) was checked at the engine's door (RequestChecker) before
+        the request was sent here, and is not scanned again."""
+        check_request_id_unused(request.request_id, self.requests)
+        check_kv_capacity(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.block_size,
+                          self.config.num_kv_blocks)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request from any state and free its blocks at once. It is not reported."""

@@ -97,6 +97,11 @@ def request(max_tokens=24, **params):
     return GenerateRequest(prompt, sampling, request_id="req")
 
 
+def with_id(req: GenerateRequest, request_id: str) -> GenerateRequest:
+    req.request_id = request_id
+    return req
+
+
 async def collect(backend, req):
     chunks = [chunk async for chunk in backend.generate_stream(req)]
     tokens = [t for c in chunks for t in c.token_ids]
@@ -217,6 +222,39 @@ def test_when_every_replica_sheds_the_client_gets_429_with_retry_after(cluster):
     assert len(handle.calls) == 3
     for name, core in saved.items():
         handle.replicas[name].core = core
+
+
+def test_the_admission_stage_comes_before_any_attempt(cluster):
+    """The ingress's admission control is a stage of HandleBackend's generation path: a refused
+    request reaches no replica, an admitted one leaves the queue at its first token whichever
+    attempt brings it, and a unary request is watched through its stream."""
+    from autoscaler.admission import AdmissionPolicy
+    from deployments.ingress_admission import IngressAdmission
+    from deployments.metrics import FailoverCounters
+
+    handle, backend = cluster
+    backend.admission = IngressAdmission(AdmissionPolicy(max_waiting_requests=1), backend.clock)
+
+    async def main():
+        held = backend.generate_stream(with_id(request(), "held"))
+        await held.__anext__()  # admitted, no first token yet: the queue is full
+        waiting = sum(backend.admission_stats().num_waiting.values())
+        with pytest.raises(APIError) as refused:
+            await backend.generate(with_id(request(), "refused"))
+        calls_when_refused = len(handle.calls)
+        await held.aclose()
+        handle.faults["r0"] = ("kill", 1)  # after its admission chunk: the first token comes from r1
+        whole = await backend.generate(with_id(request(), "unary"))
+        return waiting, refused.value, calls_when_refused, whole
+
+    waiting, refused, calls_when_refused, whole = run(main())
+    assert waiting == 1 and refused.status == 429 and refused.code == "overloaded" and refused.retry_after_s
+    assert calls_when_refused == 1, "the refused request reached no replica"
+    assert whole.finished and whole.num_output_tokens == 24
+    stats = backend.admission_stats()
+    assert sum(stats.num_waiting.values()) == 0 and stats.num_shed[Priority.INTERACTIVE] == 1
+    assert backend.failover_counters() == FailoverCounters(num_failed_attempts=1, num_migrated=0)
+    assert [r for r, _ in handle.calls[-2:]] == ["r0", "r1"]
 
 
 class CountingBroadcast:

@@ -23,10 +23,11 @@ MODEL = "iterserve-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # Per replica: 16 waiting requests for interactive traffic, 2 for batch (batch is shed first).
 ADMISSION = {"max_waiting_requests": 16, "batch_shed_fraction": 0.125, "retry_after_s": 2.0}
-# The ingress sheds batch by predicted wait (tests/unit/autoscaler/test_admission.py, test_admitted_backend.py):
-# off here, so that the replicas' backstop above is what these tests see. With it on, a burst that
-# raised the recent TTFT past 0.5 s shed every batch request of the next test at the ingress
-# (CI, 2026-12-01: 24 of 24 refused, none reaching a replica).
+# The ingress sheds batch by predicted wait (tests/unit/autoscaler/test_admission.py,
+# tests/unit/deployments/test_ingress_admission.py): off here, so that the replicas' backstop above
+# is what these tests see. With it on, a burst that raised the recent TTFT past 0.5 s shed every
+# batch request of the next test at the ingress (CI, 2026-12-01: 24 of 24 refused, none reaching a
+# replica).
 INGRESS_ADMISSION = {"batch_max_wait_s": 1e9}
 
 

@@ -10,10 +10,11 @@ import httpx
 import pytest
 
 from autoscaler.admission import AdmissionPolicy
-from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo
-from deployments.admitted_backend import AdmittedBackend
+from contracts.priority import Priority
+from contracts.serving import GenerateRequest, GenerationChunk
 from deployments.errors import APIError
 from deployments.frontend import OpenAIFrontend
+from deployments.ingress_admission import IngressAdmission
 from deployments.llm_server import LLMServer
 from deployments.local_backend import LocalBackend
 from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
@@ -126,13 +127,10 @@ def test_huge_stop_lists_are_refused(served, extra):
 
 
 class NeverFirstToken:
-    """A backend whose requests are admitted and then wait forever for a first token."""
+    """A server whose requests are admitted and then wait forever for a first token."""
 
     def __init__(self) -> None:
         self.closed = 0
-
-    async def model_info(self) -> ModelInfo:
-        return ModelInfo("m", 64, 4, 100, [], created=0)
 
     async def generate_stream(self, request: GenerateRequest):
         try:
@@ -148,7 +146,8 @@ def test_a_request_without_a_first_token_in_time_gets_503_and_is_dropped(priorit
     response at all."""
     inner = NeverFirstToken()
     import time
-    backend = AdmittedBackend(inner, AdmissionPolicy(queue_timeout_s=0.3, batch_queue_timeout_s=0.15), time.monotonic)
+    admission = IngressAdmission(AdmissionPolicy(queue_timeout_s=0.3, batch_queue_timeout_s=0.15), time.monotonic)
+    backend = LocalBackend(inner, admission)
     request = GenerateRequest([1, 2], SamplingParams(max_tokens=2), priority=priority)
 
     async def main():
@@ -161,5 +160,5 @@ def test_a_request_without_a_first_token_in_time_gets_503_and_is_dropped(priorit
     assert error.status == 503 and error.code == "queue_timeout" and error.retry_after_s >= 1
     assert waited_s >= timeout_s * 0.9
     assert inner.closed == 1, "the replica's request was cancelled"
-    snapshot = backend.admission.snapshot()
-    assert snapshot[f"num_timed_out_{priority}"] == 1 and snapshot["num_waiting_first_token"] == 0
+    stats = admission.stats()
+    assert stats.num_timed_out[Priority.parse(priority)] == 1 and sum(stats.num_waiting.values()) == 0

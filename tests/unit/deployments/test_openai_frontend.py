@@ -166,6 +166,32 @@ def test_invalid_requests_get_openai_errors_and_leave_nothing_behind(make_server
     run(main())
 
 
+@pytest.mark.parametrize("bad_prompt, max_tokens, code", [([3] * 510, 8, "context_length_exceeded"),
+                                                         ([3, 4, 999], 8, "invalid_token_id")])
+def test_several_prompts_are_refused_whole_with_the_engines_own_message(make_server, bad_prompt, max_tokens, code):
+    """The ingress refuses before sending any prompt, through the engine door's own checks: the
+    client reads the message a handle caller sending that prompt to the replica reads."""
+    from contracts.serving import GenerateRequest
+    from deployments.errors import APIError
+    from model_worker import SamplingParams
+
+    async def main():
+        server = make_server()
+        _, client = client_for(server)
+        r = await client.post("/v1/completions", json={"prompt": [[5, 6, 7], bad_prompt], "max_tokens": max_tokens})
+        stats = await server.engine.stats()
+        with pytest.raises(APIError) as at_the_replica:
+            await server.generate(GenerateRequest(bad_prompt, SamplingParams(max_tokens=max_tokens)))
+        return r, stats, at_the_replica.value
+
+    r, stats, at_the_replica = run(main())
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("prompt", code)
+    assert error["message"] == at_the_replica.message and at_the_replica.code == code
+    assert stats.prompt_tokens_total == 0, "no prompt was sent"
+
+
 def test_malformed_http_gets_json_errors(make_server, monkeypatch):
     monkeypatch.setattr(frontend_module, "MAX_BODY_BYTES", 64)
 

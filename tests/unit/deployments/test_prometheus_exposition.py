@@ -14,8 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from contracts.serving import GenerateRequest
 from deployments.llm_server import LLMServer
-from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, TTFT_BUCKETS_S, Exposition,
-                                 FiniteHistogram, by_label, collect_families)
+from contracts.priority import Priority
+from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, TTFT_BUCKETS_S, AdmissionStats,
+                                 Exposition, FailoverCounters, FiniteHistogram, IngressMetrics, ReplicaMetrics,
+                                 by_label, collect_families, render_ingress_metrics)
 from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from tests.unit.fakes import FakeKVRunner
 
@@ -249,6 +251,80 @@ def test_empty_exposition_and_empty_families():
     assert text.splitlines() == ["# HELP iterserve_shed_total Shed.", "# TYPE iterserve_shed_total counter"]
     (family,) = text_string_to_metric_families(text)
     assert (family.name, family.type, family.samples) == ("iterserve_shed", "counter", [])
+
+
+# ---- the ingress's /metrics ---------------------------------------------------------------------
+
+
+def _ingress_metrics(admission=None, failover=None) -> IngressMetrics:
+    replicas = [ReplicaMetrics(replica, "m", [GaugeMetricFamily("iterserve_num_requests_running", "Running.",
+                                                                value=running)])
+                for replica, running in (("r1", 3), ("r0", 0))]
+    return IngressMetrics(model_name="m", ingress_id="ing", replicas=replicas,
+                          replica_states={"STARTING": 1, "RUNNING": 2}, admission=admission, failover=failover,
+                          http_responses={("/v1/completions", 429): 1, ("/metrics", 200): 2,
+                                          ("/v1/completions", 200): 5})
+
+
+def test_the_ingress_exposition_names_helps_and_labels():
+    """What dashboards and alerts read: every name, help text, type and label of the ingress's own
+    families, in order, after the replicas' families (labelled by replica)."""
+    admission = AdmissionStats(num_waiting={Priority.INTERACTIVE: 1, Priority.BATCH: 2},
+                               num_shed={Priority.INTERACTIVE: 0, Priority.BATCH: 7},
+                               num_timed_out={Priority.INTERACTIVE: 3, Priority.BATCH: 0}, predicted_wait_s=2.5)
+    text = render_ingress_metrics(_ingress_metrics(admission, FailoverCounters(num_failed_attempts=4, num_migrated=2)))
+    ingress = 'ingress="ing",model_name="m"'
+    assert text.splitlines() == [
+        "# HELP iterserve_num_requests_running Running.",
+        "# TYPE iterserve_num_requests_running gauge",
+        'iterserve_num_requests_running{model_name="m",replica="r1"} 3.0',
+        'iterserve_num_requests_running{model_name="m",replica="r0"} 0.0',
+        "# HELP iterserve_replicas LLMServer replicas by state.",
+        "# TYPE iterserve_replicas gauge",
+        'iterserve_replicas{model_name="m",state="RUNNING"} 2.0',
+        'iterserve_replicas{model_name="m",state="STARTING"} 1.0',
+        "# HELP iterserve_ingress_requests_waiting Requests this ingress sent that have no first token yet.",
+        "# TYPE iterserve_ingress_requests_waiting gauge",
+        f'iterserve_ingress_requests_waiting{{{ingress},priority="interactive"}} 1.0',
+        f'iterserve_ingress_requests_waiting{{{ingress},priority="batch"}} 2.0',
+        "# HELP iterserve_ingress_requests_shed_total Requests this ingress refused with 429 before sending them.",
+        "# TYPE iterserve_ingress_requests_shed_total counter",
+        f'iterserve_ingress_requests_shed_total{{{ingress},priority="interactive"}} 0.0',
+        f'iterserve_ingress_requests_shed_total{{{ingress},priority="batch"}} 7.0',
+        "# HELP iterserve_ingress_queue_timeouts_total Admitted requests given up with 503 for want of a first "
+        "token in time.",
+        "# TYPE iterserve_ingress_queue_timeouts_total counter",
+        f'iterserve_ingress_queue_timeouts_total{{{ingress},priority="interactive"}} 3.0',
+        f'iterserve_ingress_queue_timeouts_total{{{ingress},priority="batch"}} 0.0',
+        "# HELP iterserve_ingress_predicted_wait_seconds Wait for a first token this ingress predicts for a new "
+        "request.",
+        "# TYPE iterserve_ingress_predicted_wait_seconds gauge",
+        f"iterserve_ingress_predicted_wait_seconds{{{ingress}}} 2.5",
+        "# HELP iterserve_ingress_failed_attempts_total Attempts whose replica died, froze or refused; each was "
+        "retried elsewhere or failed.",
+        "# TYPE iterserve_ingress_failed_attempts_total counter",
+        f"iterserve_ingress_failed_attempts_total{{{ingress}}} 4.0",
+        "# HELP iterserve_ingress_requests_migrated_total Requests resumed on another replica after some tokens "
+        "were sent.",
+        "# TYPE iterserve_ingress_requests_migrated_total counter",
+        f"iterserve_ingress_requests_migrated_total{{{ingress}}} 2.0",
+        "# HELP iterserve_http_responses_total HTTP responses by endpoint and status.",
+        "# TYPE iterserve_http_responses_total counter",
+        'iterserve_http_responses_total{endpoint="/metrics",ingress="ing",status="200"} 2.0',
+        'iterserve_http_responses_total{endpoint="/v1/completions",ingress="ing",status="200"} 5.0',
+        'iterserve_http_responses_total{endpoint="/v1/completions",ingress="ing",status="429"} 1.0',
+    ]
+
+
+def test_a_backend_without_admission_or_failover_shows_neither():
+    names = set(_parsed(render_ingress_metrics(_ingress_metrics())))
+    assert names == {"iterserve_num_requests_running", "iterserve_replicas", "iterserve_http_responses"}
+
+
+def test_a_replica_snapshot_reads_as_replica_metrics():
+    family = GaugeMetricFamily("iterserve_x", "X.", value=1)
+    snapshot = pickle.loads(pickle.dumps({"replica": "a", "model_name": "m", "families": [family]}))
+    assert ReplicaMetrics.of(snapshot) == ReplicaMetrics("a", "m", [family])
 
 
 # ---- read back by the reference parser ------------------------------------------------------------

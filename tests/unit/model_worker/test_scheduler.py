@@ -243,6 +243,26 @@ def test_request_larger_than_whole_cache_is_refused(make_engine):
         engine.add_request("big", prompt(10), greedy(10))
 
 
+def test_the_scheduler_itself_refuses_a_request_larger_than_the_cache(make_engine):
+    """Its own invariant, guarded for a request added to it directly (as the simulator does),
+    past the engine's door: such a request would wait forever."""
+    from contracts.serving import RequestTimings
+    from model_worker.sched.request import Priority, Request
+
+    def request(request_id: str, max_tokens: int) -> Request:
+        return Request(request_id=request_id, prompt_token_ids=prompt(10), sampling_params=greedy(max_tokens),
+                       priority=Priority.INTERACTIVE, timings=RequestTimings(arrival_s=0.0))
+
+    engine = make_engine(num_kv_blocks=4, block_size=4)
+    with pytest.raises(RequestRejected, match="needs 5 KV blocks .* whole cache has 4") as info:
+        engine.scheduler.add_request(request("big", 10))
+    assert info.value.code == "context_length_exceeded"
+    engine.scheduler.add_request(request("fits", 6))
+    with pytest.raises(RequestRejected, match="already in use"):
+        engine.scheduler.add_request(request("fits", 2))
+    run_to_completion(engine)
+
+
 def test_bad_inputs_are_refused_clearly(make_engine):
     engine = make_engine()
     with pytest.raises(RequestRejected, match="empty"):

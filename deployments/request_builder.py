@@ -1,0 +1,118 @@
+"""RequestBuilder: a parsed OpenAI body -> the GenerateRequests the ingress sends, one per prompt.
+
+The ingress tokenizes once (chat templates through the tokenizer's `apply_chat_template`), sets
+max_tokens (the rest of the context when the body leaves it out) and computes block hashes with
+the engine's own function. It checks only what it must before sending: what only it can see (a
+text too long to fit before it is tokenized, the chat template's verdict), and, for every prompt
+before any is sent, the refusals of the engine's door (model_worker/sched/request_checks.py), by
+calling the door's own functions, so that a request of several prompts is refused whole and each
+refusal has one message wherever it is raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from contracts.serving import GenerateRequest, ModelInfo
+from deployments import openai_protocol as oai
+from deployments.errors import invalid, rejected
+from model_worker.sched.hashing import hash_prompt_blocks
+from model_worker.sched.request_checks import RequestRejected, check_context_length, check_not_empty, check_token_ids
+
+# Prompts of up to this many characters in all are tokenized on the event loop (about a
+# millisecond); longer ones in the tokenizer thread, so that no other request waits on them.
+INLINE_TOKENIZE_CHARS = 4096
+# Characters per token assumed when the tokenizer cannot list its vocabulary.
+DEFAULT_MAX_CHARS_PER_TOKEN = 64
+
+
+class RequestBuilder:
+    def __init__(self, tokenizer: Any, info: ModelInfo) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        # No token covers more characters than the vocabulary's longest entry, so a prompt longer
+        # than max_model_len of them cannot fit the context: it is refused before tokenizing (a
+        # 10 MB prompt took 14 s to tokenize and then was refused anyway).
+        self.max_prompt_chars = info.max_model_len * _max_chars_per_token(tokenizer)
+        # One thread: a fast tokenizer is not safe to call from two threads at once.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="iterserve-tokenize")
+
+    async def build(self, parsed: oai.ParsedRequest) -> list[GenerateRequest]:
+        """Every prompt's request, or an APIError before any is sent; tokenized off the event loop
+        unless the text is short."""
+        num_chars = self._check_sizes(parsed)
+        if num_chars <= INLINE_TOKENIZE_CHARS:
+            return self._generate_requests(parsed)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self._generate_requests, parsed)
+
+    def _check_sizes(self, parsed: oai.ParsedRequest) -> int:
+        """Characters of text to tokenize; a prompt that cannot fit the context is refused here."""
+        limit = self.max_prompt_chars
+        if parsed.kind == "chat":
+            num_chars = sum(len(m["content"]) + len(m.get("name", "")) for m in parsed.messages)
+            sizes = [num_chars]
+        else:
+            sizes = [len(p) for p in parsed.prompts if isinstance(p, str)]
+            num_chars = sum(sizes)
+        too_long = next((n for n in sizes if n > limit), None)
+        if too_long is not None:
+            raise invalid("messages" if parsed.kind == "chat" else "prompt",
+                          f"this model's maximum context length is {self.info.max_model_len} tokens, and a text of "
+                          f"{too_long} characters is longer than that many tokens of this tokenizer can be "
+                          f"(at most {limit} characters)", "context_length_exceeded")
+        return num_chars
+
+    def _generate_requests(self, parsed: oai.ParsedRequest) -> list[GenerateRequest]:
+        """Token ids, max_tokens and block hashes for every prompt; raises before any is sent."""
+        try:
+            if parsed.kind == "chat":
+                return [self._request(parsed, 0, self._chat_token_ids(parsed), "messages")]
+            prompts = [self._encode(p) for p in parsed.prompts]
+            return [self._request(parsed, index, token_ids, "prompt") for index, token_ids in enumerate(prompts)]
+        except RequestRejected as exc:
+            raise rejected(exc) from None
+
+    def _request(self, parsed: oai.ParsedRequest, index: int, token_ids: list[int], param: str) -> GenerateRequest:
+        max_tokens = check_context_length(len(token_ids), parsed.max_tokens, self.info.max_model_len, param)
+        request = GenerateRequest(prompt_token_ids=token_ids, params=parsed.sampling_params(max_tokens),
+                                  priority=parsed.priority, request_id=f"{parsed.request_id}-{index}")
+        # Hashed once, here, with the request's cache key: the router scores replicas by these,
+        # and the replica's cache uses them as sent (RequestChecker.check_block_hashes).
+        request.block_hashes = hash_prompt_blocks(token_ids, self.info.block_size, request.cache_key)
+        return request
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = list(self.tokenizer.encode(prompt))
+        else:
+            token_ids = prompt
+            check_token_ids(token_ids, self.info.vocab_size, "prompt")
+        check_not_empty(len(token_ids), "prompt", "the tokenized prompt")
+        return token_ids
+
+    def _chat_token_ids(self, parsed: oai.ParsedRequest) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(parsed.messages, tokenize=False,
+                                                      add_generation_prompt=parsed.add_generation_prompt)
+        except Exception as exc:  # a template may refuse a conversation (roles out of order, ...)
+            raise invalid("messages", f"the chat template refused these messages: {exc}") from None
+        # The template writes the special tokens (BOS included) itself.
+        token_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        check_not_empty(len(token_ids), "messages", "the conversation, with the chat template applied,")
+        return token_ids
+
+
+def _max_chars_per_token(tokenizer: Any) -> int:
+    """The longest vocabulary entry in characters (byte-level BPE writes one character per byte, so
+    this bounds the text one token decodes to)."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    try:
+        vocab = get_vocab() if get_vocab is not None else None
+    except Exception:  # a tokenizer that cannot list its vocabulary
+        vocab = None
+    if not vocab:
+        return DEFAULT_MAX_CHARS_PER_TOKEN
+    return max(1, max(len(token) for token in vocab))
