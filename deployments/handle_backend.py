@@ -210,7 +210,7 @@ class HandleBackend:
 
     async def metrics_snapshots(self) -> list[ReplicaMetrics]:
         replies, _ = await self._broadcast("metrics_snapshot")
-        return [ReplicaMetrics.of(reply) for reply in replies]
+        return list(replies)
 
     async def _broadcast(self, method: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """(replies, silent): the dict replies of every replica that answered within

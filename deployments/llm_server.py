@@ -28,9 +28,9 @@ from contracts.engine_stats import EngineStats
 from contracts.priority import Priority
 from contracts.sampling import SamplingParams, SamplingParamsError
 from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo, whole_response
-from deployments.errors import APIError, internal, invalid, not_ready, overloaded
+from deployments.errors import APIError, internal, invalid, not_ready, overloaded, rejected
 from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, TTFT_BUCKETS_S, FiniteHistogram,
-                                 by_label, collect_families)
+                                 ReplicaMetrics, by_label, collect_families)
 from deployments.replica_core import AdmittedRequest, ReplicaCore, ReplicaOverloaded
 from model_worker.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed, RequestStream
 from model_worker.config import EngineConfig
@@ -196,7 +196,7 @@ class LLMServer:
                 cache_key=request.cache_key, resumed_token_ids=request.resumed_token_ids,
                 block_hashes=request.block_hashes)
         except RequestRejected as exc:
-            raise invalid(exc.param, str(exc), exc.code) from None
+            raise rejected(exc) from None
         except SamplingParamsError as exc:
             raise invalid(exc.param, str(exc)) from None
         except EngineDeadError as exc:
@@ -257,11 +257,11 @@ class LLMServer:
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
 
-    async def metrics_snapshot(self) -> dict[str, Any]:
+    async def metrics_snapshot(self) -> ReplicaMetrics:
         """This replica's metric families for the ingress: prometheus_client Metrics, which pickle."""
         stats = await self.engine.stats()
-        return {"replica": self.replica_id, "model_name": self.info.served_model_name,
-                "families": [*collect_families(self.metrics_registry), *_families(self, stats)]}
+        return ReplicaMetrics(self.replica_id, self.info.served_model_name,
+                              [*collect_families(self.metrics_registry), *_families(self, stats)])
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -37,7 +37,7 @@ class LocalBackend:
         return healthy, {"replicas": {"RUNNING": 1}, "ready_replicas": int(healthy)}
 
     async def metrics_snapshots(self) -> list[ReplicaMetrics]:
-        return [ReplicaMetrics.of(await self.server.metrics_snapshot())]
+        return [await self.server.metrics_snapshot()]
 
     async def replica_states(self) -> dict[str, int]:
         return {"RUNNING": 1}

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -91,16 +90,12 @@ class Exposition(Collector):
 
 @dataclass(slots=True, frozen=True)
 class ReplicaMetrics:
-    """One LLMServer replica's metric families, as its `metrics_snapshot` sent them."""
+    """One LLMServer replica's metric families: what its `metrics_snapshot` returns (it pickles
+    across Ray, prometheus_client Metrics included)."""
 
     replica: str
     model_name: str
     families: list[Metric]
-
-    @classmethod
-    def of(cls, snapshot: Mapping[str, Any]) -> "ReplicaMetrics":
-        """From the dict LLMServer.metrics_snapshot returns."""
-        return cls(snapshot["replica"], snapshot["model_name"], list(snapshot["families"]))
 
 
 @dataclass(slots=True, frozen=True)

@@ -17,6 +17,7 @@ from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo
 from deployments.errors import APIError
 from deployments.ingress_admission import IngressAdmission
 from deployments.local_backend import LocalBackend
+from deployments.metrics import ReplicaMetrics
 from deployments.openai_service import OpenAIService
 from tests.unit.fakes import FakeClock
 
@@ -41,7 +42,7 @@ class HeldServer:
                               num_output_tokens=2)
 
     async def metrics_snapshot(self):
-        return {"replica": "r0", "model_name": "m", "families": []}
+        return ReplicaMetrics("r0", "m", [])
 
 
 def request(rid: str, priority: str = "interactive") -> GenerateRequest:

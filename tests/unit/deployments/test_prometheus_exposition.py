@@ -122,8 +122,8 @@ def test_replica_snapshots_pickle_and_keep_their_own_counts_and_bounds():
             server.shutdown()
     exposition = Exposition()
     for snapshot in snapshots:
-        for family in snapshot["families"]:
-            exposition.add(family, {"replica": snapshot["replica"]})
+        for family in snapshot.families:
+            exposition.add(family, {"replica": snapshot.replica})
     families = _parsed(exposition.render())
     for name, bounds in [("iterserve_time_to_first_token_seconds", TTFT_BUCKETS_S),
                          ("iterserve_inter_token_latency_seconds", ITL_BUCKETS_S),
@@ -321,10 +321,10 @@ def test_a_backend_without_admission_or_failover_shows_neither():
     assert names == {"iterserve_num_requests_running", "iterserve_replicas", "iterserve_http_responses"}
 
 
-def test_a_replica_snapshot_reads_as_replica_metrics():
+def test_a_replica_snapshot_crosses_ray_as_itself():
     family = GaugeMetricFamily("iterserve_x", "X.", value=1)
-    snapshot = pickle.loads(pickle.dumps({"replica": "a", "model_name": "m", "families": [family]}))
-    assert ReplicaMetrics.of(snapshot) == ReplicaMetrics("a", "m", [family])
+    snapshot = ReplicaMetrics("a", "m", [family])
+    assert pickle.loads(pickle.dumps(snapshot)) == snapshot
 
 
 # ---- read back by the reference parser ------------------------------------------------------------
