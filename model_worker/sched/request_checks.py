@@ -2,7 +2,7 @@
 
 These read only the tokenizer, the vocabulary size and the scheduler's config, never live engine
 state, so they run wherever the request comes in: the engine's own add_request, and the process
-that feeds an engine core in another process (model_worker/engine/async_engine.py), which refuses a bad
+that feeds an engine loop in another process (model_worker/engine/async_engine.py), which refuses a bad
 request at once instead of sending it across and waiting for the answer.
 """
 
@@ -25,7 +25,7 @@ class RequestRejected(ValueError):
         self.code = code
         self.param = param
 
-    def __reduce__(self) -> tuple:  # code and param survive the pipe from an engine core process
+    def __reduce__(self) -> tuple:  # code and param survive pickling
         return (type(self), (str(self), self.code, self.param))
 
 
