@@ -1,12 +1,14 @@
 """The engine loop in a thread, over a real engine with a fake runner: every message kind it takes
-is answered or applied, with the protocol's own structs; and AsyncLLMEngine serves the same when
-every message crosses the codec both ways, as it does over the process's pipe."""
+is answered or applied, with the protocol's own structs; AsyncLLMEngine serves the same when
+every message crosses the codec both ways, as it does over the process's pipe; and the engine
+process's reader turns bytes it cannot read into the loop's death, not a silent wait."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+from multiprocessing import Pipe
 
 import pytest
 
@@ -15,6 +17,7 @@ from contracts.priority import Priority
 from contracts.sampling import SamplingParams
 from model_worker import AsyncLLMEngine, RequestRejected
 from model_worker.engine.engine_handles import EngineThread
+from model_worker.engine.engine_process_main import _read_into
 from model_worker.engine.protocol import (AbortRequest, AddRequest, Alive, Call, CallResult, Dead, EngineCodec,
                                           EngineInput, EngineOutput, FailRequest, GetStats, Rejected,
                                           RequestFinished, RequestProgress, ResetPrefixCache, Shutdown, StepOutputs,
@@ -229,3 +232,36 @@ def test_a_request_the_pipe_cannot_carry_is_refused_at_the_door_and_leaves_nothi
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+# ---- the engine process's reader ------------------------------------------------------------------
+
+class RecordingLoop:
+    def __init__(self) -> None:
+        self.submitted: list = []
+        self.died: list[str] = []
+
+    def submit(self, message) -> None:
+        self.submitted.append(message)
+
+    def die(self, reason: str) -> None:
+        self.died.append(reason)
+
+
+def test_the_process_reader_decodes_messages_and_dies_on_bytes_it_cannot_read():
+    ours, theirs = Pipe()
+    codec = EngineCodec(EngineInput)
+    ours.send_bytes(codec.encode(AbortRequest("r")))
+    ours.send_bytes(b"\x93\xa6launch\x01\x02")
+    loop = RecordingLoop()
+    _read_into(theirs, codec, loop)
+    assert loop.submitted == [AbortRequest("r")]
+    assert len(loop.died) == 1 and "'launch'" in loop.died[0]
+
+
+def test_the_process_reader_shuts_the_loop_down_when_its_consumer_hangs_up():
+    ours, theirs = Pipe()
+    ours.close()
+    loop = RecordingLoop()
+    _read_into(theirs, EngineCodec(EngineInput), loop)
+    assert loop.submitted == [Shutdown()] and not loop.died
