@@ -66,9 +66,9 @@ class EngineConfig:
     # how 4 replicas scale. The model still runs for real; 0 (the default) is off. The engine wraps
     # its runner in model_worker.engine.step_padding.PaddedRunner for it; its step has no padding code.
     emulated_step_time_s: float = 0.0
-    # AsyncLLMEngine runs the step loop in a process of its own (model_worker/engine/engine_loop.py), so
-    # that the serving work of its process (the event loop, Ray's messages, detokenizing) never
-    # holds the GIL the step needs. False: a thread of the caller's process (debugging, and the
+    # AsyncLLMEngine runs the step loop in a process of its own (EngineProcess,
+    # model_worker/engine/engine_handles.py), so that the serving work of its process (the event
+    # loop, Ray's messages, detokenizing) never holds the GIL the step needs. False: a thread of the caller's process (debugging, and the
     # benchmark that measures what the process is worth).
     engine_process: bool = True
 

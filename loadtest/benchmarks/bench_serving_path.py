@@ -344,7 +344,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def _actor_pids(roles: dict[str, str]) -> dict[str, int]:
     """Ray names each actor's process after its class (its title, in /proc/PID/cmdline); the
-    replica's engine core, when it has one, is the process running model_worker.engine.engine_loop."""
+    replica's engine process, when it has one, is the one running model_worker.engine.engine_process_main."""
     pids = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -356,7 +356,7 @@ def _actor_pids(roles: dict[str, str]) -> dict[str, int]:
         for role, needle in roles.items():
             if cmdline.startswith("ray::") and needle in cmdline:
                 pids[role] = int(proc.name)
-        if "model_worker.engine.engine_loop" in cmdline and not cmdline.startswith("ray::"):
+        if "model_worker.engine.engine_process_main" in cmdline and not cmdline.startswith("ray::"):
             pids["engine_core"] = int(proc.name)
     missing = sorted(set(roles) - set(pids))
     if missing:

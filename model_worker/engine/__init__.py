@@ -1,2 +1,3 @@
-"""The engine: the step loop (LLMEngine), the loop that runs it fed by messages, in a thread or a
-process of its own, and the asynchronous side that streams its outputs."""
+"""The engine: the step (LLMEngine), the loop that runs it fed by messages (EngineLoop, speaking
+protocol.py), the handles that run that loop in a thread or a process of its own (EngineThread,
+EngineProcess), and the asynchronous side that streams its outputs (AsyncLLMEngine)."""

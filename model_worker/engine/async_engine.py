@@ -1,12 +1,13 @@
-"""AsyncLLMEngine: an engine core stepping on its own, streams on the caller's event loop.
+"""AsyncLLMEngine: an engine loop stepping on its own, streams on the caller's event loop.
 
-The engine core (model_worker/engine/engine_loop.py) is the step loop alone, fed by messages. For
-serving it runs in a process of its own (`EngineConfig.engine_process`, the default when the
-engine is built from a config); an engine passed in (tests, fakes) runs in a thread. Either way
-this side does everything that is not the step, on the event loop: validation that can fail
+The engine loop (model_worker/engine/engine_loop.py) is the step loop alone, fed by the messages of
+model_worker/engine/protocol.py. For serving it runs in a process of its own (EngineProcess;
+`EngineConfig.engine_process`, the default when the engine is built from a config); an engine
+passed in (tests, fakes) runs in a thread (EngineThread). Either way this side does everything
+that is not the step, on the event loop: validation that can fail
 (tokenizing, length checks, block hashes) before anything is sent, so that a bad request raises at
 once and nothing is left behind; the text of each output and its stop strings (OutputProcessor);
-the streams. A stop string found here finishes the request in the core, and the tokens the core
+the streams. A stop string found here finishes the request in the loop, and the tokens the loop
 made meanwhile are dropped, so what a client sees is what the engine alone would have given.
 """
 
@@ -26,13 +27,18 @@ from contracts.sampling import SamplingParams
 from contracts.serving import GenerationChunk
 from model_worker.config import EngineConfig, SchedulerConfig
 from model_worker.engine.llm_engine import LLMEngine
-from model_worker.engine.engine_loop import EngineInfo, ProcessCore, ProgressTuple, ThreadCore
+from model_worker.engine.engine_handles import EngineProcess, EngineThread
+from model_worker.engine.engine_loop import engine_info
+from model_worker.engine.protocol import (AbortRequest, AddRequest, Alive, Call, CallResult, Dead, EngineCall,
+                                          EngineOutput, FailRequest, GetStats, ProtocolError, Rejected,
+                                          RequestFinished, RequestProgress, ResetPrefixCache, StepOutputs,
+                                          StopRequest)
 from model_worker.engine.output_processor import OutputProcessor
-from model_worker.sched.request_checks import RequestChecker, check_request_id_unused
+from model_worker.sched.request_checks import RequestChecker, RequestRejected, check_request_id_unused
 
 
 class EngineDeadError(RuntimeError):
-    """The engine core stopped on an error; every request after that fails with this."""
+    """The engine loop stopped on an error; every request after that fails with this."""
 
 
 class RequestFailed(RuntimeError):
@@ -61,7 +67,7 @@ class RequestStream:
         self._error: BaseException | None = None
         # Output tokens the consumer has been given (resumed ones included).
         self._num_output_tokens = 0
-        # The stop string that ended the text: the core has been told, its later tokens are dropped.
+        # The stop string that ended the text: the loop has been told, its later tokens are dropped.
         self._stop: str | None = None
 
     def __aiter__(self) -> "RequestStream":
@@ -135,20 +141,15 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._owner._forget(self.request_id)
-            self._owner._send(("abort", self.request_id))
+            self._owner._send(AbortRequest(self.request_id))
 
-    # ---- from the engine core (on the loop) ----------------------------------------------------
+    # ---- from the engine loop (on the event loop) ------------------------------------------------
 
-    def _from_core(self, item: ProgressTuple | GenerationChunk, outputs: OutputProcessor) -> None:
-        """Turn the core's output into the consumer's: text, stop strings, errors."""
+    def _from_engine(self, item: RequestProgress | RequestFinished, outputs: OutputProcessor) -> None:
+        """Turn the engine loop's output into the consumer's: text, stop strings, errors."""
         if self.finished:
             return
-        if isinstance(item, tuple):
-            request_id, token_ids, num_output_tokens, num_cached_tokens = item
-            chunk = GenerationChunk(request_id, token_ids=token_ids, num_prompt_tokens=self.num_prompt_tokens,
-                                    num_output_tokens=num_output_tokens, num_cached_tokens=num_cached_tokens)
-        else:
-            chunk = item
+        chunk = item.to_chunk(self.num_prompt_tokens) if type(item) is RequestProgress else item.to_chunk()
         if chunk.error is not None:
             outputs.remove(self.request_id)
             self.queue.put_nowait(RequestFailed(chunk.error))
@@ -164,17 +165,17 @@ class RequestStream:
         except Exception as exc:  # this request's tokens broke the tokenizer: it alone fails
             message = f"detokenizing this request failed: {type(exc).__name__}: {exc}"
             outputs.remove(self.request_id)
-            self._owner._send(("fail", self.request_id, message))
+            self._owner._send(FailRequest(self.request_id, message))
             self.queue.put_nowait(RequestFailed(message))
             return
         self._num_output_tokens = chunk.num_output_tokens
         if stop is not None and not chunk.finished:
             self._stop = stop
-            self._owner._send(("stop", self.request_id, stop))
+            self._owner._send(StopRequest(self.request_id, stop))
         self.queue.put_nowait(chunk)
 
     def _ended_by_stop(self, chunk: GenerationChunk, outputs: OutputProcessor) -> GenerationChunk:
-        """The core's finished output after a stop string: without the tokens made after it, in
+        """The loop's finished output after a stop string: without the tokens made after it, in
         its counts and its token times."""
         outputs.remove(self.request_id)
         num_extra = chunk.num_output_tokens - self._num_output_tokens
@@ -193,7 +194,7 @@ class AsyncLLMEngine:
                  liveness_clock: Callable[[], float] = time.monotonic, **engine_kwargs: Any) -> None:
         config = config or EngineConfig()
         self._liveness_clock = liveness_clock
-        # When the core last began a step or an idle tick, on the liveness clock.
+        # When the engine loop last began a step or an idle tick, on the liveness clock.
         self._alive_s = liveness_clock()
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
@@ -204,16 +205,16 @@ class AsyncLLMEngine:
         # The engine, when it lives in this process (tests reach its scheduler and runner).
         self.engine: LLMEngine | None = None
         if engine is None and not engine_kwargs and config.engine_process:
-            self._core: ThreadCore | ProcessCore = ProcessCore(config, self._on_core_message)
-            self.info = self._core.info
-            tokenizer = self._core.tokenizer
+            self._engine_loop: EngineThread | EngineProcess = EngineProcess(config, self._on_engine_message)
+            self.info = self._engine_loop.info
+            tokenizer = self._engine_loop.tokenizer
         else:
             engine = engine if engine is not None else LLMEngine(config, **engine_kwargs)
-            engine.detokenize = False  # the streams make the text (below), not the step loop
             self.engine = engine
-            self.info = EngineInfo.of(engine)
+            self.info = engine_info(engine)
             tokenizer = engine.tokenizer
-            self._core = ThreadCore(engine, self._on_core_message, liveness_clock)
+            # The loop turns the engine's text off: the streams make it (OutputProcessor, below).
+            self._engine_loop = EngineThread(engine, self._on_engine_message, liveness_clock)
         self.tokenizer = tokenizer
         self.checks = RequestChecker(tokenizer, self.info.vocab_size, self.info.limits)
         self.outputs = OutputProcessor(tokenizer)
@@ -238,15 +239,15 @@ class AsyncLLMEngine:
 
     @property
     def core_pid(self) -> int | None:
-        """The engine core's process id; None when it steps in a thread of this process."""
-        return self._core.pid if isinstance(self._core, ProcessCore) else None
+        """The engine process's id; None when the loop steps in a thread of this process."""
+        return self._engine_loop.pid if isinstance(self._engine_loop, EngineProcess) else None
 
     @property
     def is_running(self) -> bool:
-        return self._core.is_alive() and self._error is None and not self._stopped
+        return self._engine_loop.is_alive() and self._error is None and not self._stopped
 
     def seconds_since_alive(self) -> float:
-        """Seconds since the engine core last began a step or an idle tick that it reported:
+        """Seconds since the engine loop last began a step or an idle tick that it reported:
         about a step's time (or IDLE_TICK_S) while it works; it grows while a step hangs."""
         return max(0.0, self._liveness_clock() - self._alive_s)
 
@@ -274,7 +275,12 @@ class AsyncLLMEngine:
             self._streams[request_id] = stream
         self.outputs.add(request_id, token_ids, params.stop, resumed)
         # Arrival is stamped here, on the clock every process of the machine shares.
-        self._send(("add", request_id, token_ids, params, int(priority), time.monotonic(), cache_key, resumed, hashes))
+        message = AddRequest(request_id, token_ids, params, priority, time.monotonic(), cache_key, resumed, hashes)
+        try:
+            self._send(message)
+        except ProtocolError as exc:  # a value the pipe cannot carry: refused at the door, like any other
+            self._forget(request_id)
+            raise RequestRejected(f"this request cannot be sent to the engine process: {exc}") from exc
         return stream
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -296,77 +302,78 @@ class AsyncLLMEngine:
         self.outputs.remove(request_id)
 
     async def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(AbortRequest(request_id))
 
     async def stats(self, include_block_hashes: bool = False, block_hashes_since: int | None = None) -> EngineStats:
-        """A consistent snapshot, taken by the engine core between two steps (LLMEngine.stats)."""
-        return await self._call("stats", include_block_hashes, block_hashes_since)
+        """A consistent snapshot, taken by the engine loop between two steps (LLMEngine.stats)."""
+        return await self._call(GetStats(include_block_hashes, block_hashes_since))
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, applied between steps; False (and nothing done) while a
         request is live."""
-        return await self._call("reset_prefix_cache")
+        return await self._call(ResetPrefixCache())
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         if self._stopped:
             return
         self._stopped = True
-        self._core.shutdown(timeout_s)
+        self._engine_loop.shutdown(timeout_s)
         self._fail_everything(EngineDeadError("the engine was shut down"))
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _call(self, call: EngineCall) -> Any:
         if self._error is not None or self._stopped:
             raise EngineDeadError("the engine is not running") from self._error
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         call_id = next(self._call_ids)
         self._calls[call_id] = (loop, future)
-        self._send(("call", call_id, method, args))
+        self._send(Call(call_id, call))
         try:
             return await future
         finally:
             self._calls.pop(call_id, None)
 
-    def _send(self, message: tuple) -> None:
-        self._core.send(message)
+    def _send(self, message: Any) -> None:
+        self._engine_loop.send(message)
 
-    # ---- from the engine core (its thread, or the reader of its process) -----------------------
+    # ---- from the engine loop (its thread, or the reader of its process) -----------------------
 
-    def _on_core_message(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "step":
-            self._alive_s = message[1]
-            self._dispatch(message[2])
-        elif kind == "alive":
-            self._alive_s = message[1]
-        elif kind == "result":
-            _, call_id, ok, value = message
-            waiting = self._calls.get(call_id)
-            if waiting is not None:
-                _settle(waiting, value if ok else None, None if ok else value)
-        elif kind == "rejected":
-            self._deliver_error(message[1], message[2])
-        elif kind == "dead":
-            if not self._stopped:
-                self._error = EngineDeadError(message[1])
-                self._fail_everything(EngineDeadError(message[1]))
+    def _on_engine_message(self, message: EngineOutput) -> None:
+        match message:
+            case StepOutputs():
+                self._alive_s = message.began_s
+                self._dispatch(message)
+            case Alive():
+                self._alive_s = message.began_s
+            case CallResult():
+                waiting = self._calls.get(message.call_id)
+                if waiting is not None:
+                    error = None if message.error is None else message.error.to_exception()
+                    _settle(waiting, message.value, error)
+            case Rejected():
+                self._deliver_error(message.request_id, message.error.to_exception())
+            case Dead():
+                if not self._stopped:
+                    self._error = EngineDeadError(message.message)
+                    self._fail_everything(EngineDeadError(message.message))
 
-    def _dispatch(self, outputs: list[ProgressTuple | GenerationChunk]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, ProgressTuple | GenerationChunk]]] = {}
+    def _dispatch(self, step: StepOutputs) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestProgress | RequestFinished]]] = {}
         with self._streams_lock:
-            for item in outputs:
-                stream = self._streams.get(item[0] if type(item) is tuple else item.request_id)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream, item))
+            for outputs in (step.progress, step.finished):
+                for item in outputs:
+                    stream = self._streams.get(item.request_id)
+                    if stream is not None:
+                        by_loop.setdefault(stream.loop, []).append((stream, item))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver_all, items, self.outputs)
             except RuntimeError:  # that loop is closed: its consumers are gone
                 for stream, _ in items:
-                    self._send(("abort", stream.request_id))
+                    self._send(AbortRequest(stream.request_id))
 
     def _fail_everything(self, error: EngineDeadError) -> None:
-        """No stream and no call may wait forever on a core that stopped."""
+        """No stream and no call may wait forever on an engine loop that stopped."""
         with self._streams_lock:
             request_ids = list(self._streams)
         for request_id in request_ids:
@@ -384,9 +391,10 @@ class AsyncLLMEngine:
                 pass
 
 
-def _deliver_all(items: list[tuple[RequestStream, ProgressTuple | GenerationChunk]], outputs: OutputProcessor) -> None:
+def _deliver_all(items: list[tuple[RequestStream, RequestProgress | RequestFinished]],
+                 outputs: OutputProcessor) -> None:
     for stream, item in items:
-        stream._from_core(item, outputs)
+        stream._from_engine(item, outputs)
 
 
 def _settle(waiting: tuple[asyncio.AbstractEventLoop, asyncio.Future], result: Any,

@@ -133,7 +133,7 @@ class LLMEngine:
                             priority: Priority, arrival_s: float, cache_key: str | None, resumed: list[int],
                             block_hashes: list[int]) -> Request:
         """Queue a request that already passed `self.checks.check` (AsyncLLMEngine runs it where
-        the request comes in): the engine core does not scan a prompt a second time between two
+        the request comes in): the engine loop does not scan a prompt a second time between two
         steps. The scheduler still refuses a duplicate id or a request larger than the whole KV
         cache, its own invariants."""
         request = Request(
@@ -401,7 +401,7 @@ def _block_hash_fields(pool: BlockPool, include_block_hashes: bool, since: int |
 
 
 def _build_runner(config: EngineConfig) -> tuple[EngineConfig, ModelRunner]:
-    """The torch runner, imported here so the engine core imports without torch."""
+    """The torch runner, imported here so the engine imports without torch."""
     from model_worker.checkpoints.models import resolve_model
 
     config = dataclasses.replace(config, model=resolve_model(config.model))

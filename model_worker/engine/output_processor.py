@@ -1,7 +1,7 @@
 """OutputProcessor: token ids to text, per request, outside the engine's step.
 
-The engine core emits token ids only. Text is made here, by the one who consumes the outputs: the
-stream side of AsyncLLMEngine (on the replica's event loop, while the engine core steps in its own
+The engine loop emits token ids only. Text is made here, by the one who consumes the outputs: the
+stream side of AsyncLLMEngine (on the replica's event loop, while the engine loop steps in its own
 process), or LLMEngine.step itself when the engine is used alone. Each request has an
 IncrementalDetokenizer (UTF-8 and stop-string safe); a stop string found here is reported to the
 caller, which finishes the request in the engine: the step loop never decodes text.

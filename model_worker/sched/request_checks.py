@@ -28,7 +28,7 @@ class RequestRejected(ValueError):
         self.code = code
         self.param = param
 
-    def __reduce__(self) -> tuple:  # code and param survive the pipe from an engine core process
+    def __reduce__(self) -> tuple:  # code and param survive pickling
         return (type(self), (str(self), self.code, self.param))
 
 

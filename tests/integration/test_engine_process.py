@@ -183,7 +183,7 @@ def _core_processes() -> set[int]:
         if name.isdigit():
             try:
                 with open(f"/proc/{name}/cmdline", "rb") as f:
-                    if b"model_worker.engine.engine_loop" in f.read() and _alive(int(name)):
+                    if b"model_worker.engine.engine_process_main" in f.read() and _alive(int(name)):
                         found.add(int(name))
             except OSError:
                 pass

@@ -7,7 +7,7 @@ import json
 
 from ray.exceptions import TaskCancelledError
 
-from tests.unit.test_hostile_input import run, served  # noqa: F401  (served is a fixture)
+from tests.unit.deployments.test_hostile_input import run, served  # noqa: F401  (served is a fixture)
 
 
 def test_a_receive_that_raises_on_hang_up_ends_the_stream_quietly(served):
