@@ -198,7 +198,7 @@ class HandleBackend:
             self._health = (self.clock(), future.result())
 
     async def _probe_health(self) -> tuple[bool, dict[str, Any]]:
-        states, (replies, silent) = await asyncio.gather(self.replica_states(), self._broadcast("ready"))
+        states, (replies, silent) = await asyncio.gather(self.replica_states(), self._broadcast("ready", _ready_replica))
         ready = sum(1 for r in replies if r.get("model_loaded") and r.get("engine_running"))
         running = states.get("RUNNING", 0)
         # Every replica Serve counts must be running and must have said it is ready.
@@ -209,13 +209,14 @@ class HandleBackend:
         return healthy, detail
 
     async def metrics_snapshots(self) -> list[ReplicaMetrics]:
-        replies, _ = await self._broadcast("metrics_snapshot")
-        return list(replies)
+        replies, _ = await self._broadcast("metrics_snapshot", _metrics_replica)
+        return replies
 
-    async def _broadcast(self, method: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """(replies, silent): the dict replies of every replica that answered within
-        BROADCAST_TIMEOUT_S, and what is known of the ones that did not (a count, and the ids of
-        replicas that answered an earlier broadcast and not this one)."""
+    async def _broadcast(self, method: str, replica_of: Callable[[Any], str | None]) -> tuple[list[Any], dict[str, Any]]:
+        """(replies, silent): the replies of every replica that answered within BROADCAST_TIMEOUT_S
+        with a reply `replica_of` names a replica for (None: not a reply of this method), and what
+        is known of the ones that did not (a count, and the ids of replicas that answered an
+        earlier broadcast and not this one)."""
         try:
             response = self.handle.broadcast(method)
             results = await asyncio.wait_for(_replica_results(response), BROADCAST_TIMEOUT_S)
@@ -225,9 +226,9 @@ class HandleBackend:
         done, pending = await asyncio.wait(calls, timeout=BROADCAST_TIMEOUT_S) if calls else (set(), set())
         for call in pending:
             call.cancel()
-        replies = [c.result() for c in calls if c in done and c.exception() is None and isinstance(c.result(), dict)]
+        replies = [c.result() for c in calls if c in done and c.exception() is None and replica_of(c.result())]
         now_s = self.clock()
-        answered = {r["replica"] for r in replies if isinstance(r.get("replica"), str)}
+        answered = {replica_of(r) for r in replies}
         for replica in answered:
             self._seen_replicas[replica] = now_s
         failed = len(calls) - len(replies)
@@ -371,3 +372,14 @@ def _api_error(exc: BaseException) -> BaseException:
     if isinstance(exc, RayTaskError):
         return internal(f"the model replica failed: {exc.cause!r}" if exc.cause else str(exc))
     return internal(f"{type(exc).__name__}: {exc}")
+
+
+def _ready_replica(reply: Any) -> str | None:
+    """The replica id in a `ready()` reply (a dict), or None for anything else."""
+    replica = reply.get("replica") if isinstance(reply, dict) else None
+    return replica if isinstance(replica, str) else None
+
+
+def _metrics_replica(reply: Any) -> str | None:
+    """The replica id of a `metrics_snapshot()` reply, or None for anything else."""
+    return reply.replica if isinstance(reply, ReplicaMetrics) and isinstance(reply.replica, str) else None

@@ -308,3 +308,13 @@ def test_health_is_cached_and_concurrent_probes_share_one_broadcast():
         assert broadcast.calls == 2
 
     run(main())
+
+
+def test_metrics_come_from_every_replica_that_answers_with_its_snapshot():
+    """Replicas answer metrics_snapshot() with a ReplicaMetrics: each one counts, and a reply of
+    another shape is no replica's metrics."""
+    from deployments.metrics import ReplicaMetrics
+
+    snapshots = [ReplicaMetrics("a", "m", []), ReplicaMetrics("b", "m", []), {"replica": "c"}]
+    backend = HandleBackend(SimpleNamespace(broadcast=CountingBroadcast(snapshots, delay_s=0.0)), "app", "LLMServer")
+    assert run(backend.metrics_snapshots()) == snapshots[:2]
