@@ -6,6 +6,7 @@ Mistral and llama3-RoPE Llama models saved with save_pretrained), so nothing is 
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -218,7 +219,7 @@ def test_seeded_sampling_is_batch_invariant_and_survives_recompute(runner, promp
     batched = _decode(runner, [others[0], (prompt, seeded), *others[1:]], 10, first_block=80)[1]
     assert batched == alone
     # Preempted after 6 tokens and recomputed: the prompt and those tokens prefilled in one go.
-    recomputed = runner.execute(step(seq("re", prompt + alone[:6], 0, range(120, 124), params=seeded,
+    recomputed = runner.execute(step(seq("re", prompt + alone[:6], 0, range(120, 128), params=seeded,
                                          output_index=6)))
     assert recomputed == [alone[6]]
     other_seed = SamplingParams(temperature=0.9, top_p=0.95, top_k=200, seed=1235)
@@ -238,6 +239,24 @@ def test_tiny_model_path_is_idempotent(model_cache_dir, tiny_model_dir, monkeypa
 
     monkeypatch.setattr(tiny_model, "build_checkpoint", no_rebuild)
     assert tiny_model.tiny_model_path(model_cache_dir) == tiny_model_dir
+
+
+def test_tiny_model_builds_the_same_files_every_time(tmp_path, tiny_model_dir):
+    """Two builds and the cached one agree byte for byte: the cache key (the corpus) fixes the
+    checkpoint. Its vocabulary is full, the special tokens first."""
+    from transformers import AutoTokenizer
+
+    builds = [tmp_path / "one", tmp_path / "two"]
+    for out_dir in builds:
+        out_dir.mkdir()
+        tiny_model.build_checkpoint(out_dir)
+    files = [{path.name: path.read_bytes() for path in sorted(out_dir.iterdir())} for out_dir in builds]
+    assert files[0] == files[1]
+    cached = {path.name: path.read_bytes() for path in sorted(Path(tiny_model_dir).iterdir())}
+    assert cached == files[0]
+    tokenizer = AutoTokenizer.from_pretrained(builds[0])
+    assert len(tokenizer) == tiny_model.VOCAB_SIZE
+    assert tokenizer.convert_tokens_to_ids(tiny_model.SPECIAL_TOKENS) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("path", ["cpu", "cuda"])
