@@ -1,15 +1,16 @@
 """The tiny model: a random-weight Llama with a BPE tokenizer, built on demand (`--model tiny`).
 
 It lets the engine, its tests and its multi-replica benchmarks run fast with no model at all: the
-first call trains a byte-level BPE tokenizer on the corpus committed next to this file,
-initialises a small LlamaForCausalLM from a fixed seed, and saves both as an ordinary Hugging Face
-checkpoint. Every later call finds it in the cache. It loads through the same loader as any real
-checkpoint. Its weights are random, so its text is gibberish: the embedded default model, the one
-that answers, is SmolLM2 (model_worker/checkpoints/models.py).
+first call trains a byte-level BPE tokenizer on seeded pseudo-English generated at build time
+(model_worker/checkpoints/tiny_corpus.py says why generated), initialises a small
+LlamaForCausalLM from a fixed seed, and saves both as an ordinary Hugging Face checkpoint. Every
+later call finds it in the cache. It loads through the same loader as any real checkpoint. Its
+weights are random, so its text is gibberish: the embedded default model, the one that answers,
+is SmolLM2 (model_worker/checkpoints/models.py).
 
-The cache subdirectory is named by a hash of the corpus and BUILDER_VERSION, so changing either
-builds a fresh checkpoint instead of reusing a stale one (model_worker/checkpoints/model_cache.py builds it
-atomically, under a lock).
+The cache subdirectory is named by BUILDER_VERSION and a hash of the generated corpus, so
+changing either (the generator, its seed, its word lists) builds a fresh checkpoint instead of
+reusing a stale one (model_worker/checkpoints/model_cache.py builds it atomically, under a lock).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import json
 from pathlib import Path
 
 from model_worker.checkpoints.model_cache import build_once, cache_root
+from model_worker.checkpoints.tiny_corpus import tiny_corpus
 
 # Bump when anything below changes the built checkpoint (tokenizer, shapes, init, files).
-BUILDER_VERSION = 1
-CORPUS_PATH = Path(__file__).with_name("default_model_corpus.txt")
+BUILDER_VERSION = 2
 
 VOCAB_SIZE = 4096
 BOS_TOKEN = "<|begin_of_text|>"
@@ -51,19 +52,30 @@ def tiny_model_path(cache_dir: str | None = None) -> str:
 
     cache_dir: argument, else $ITERSERVE_CACHE_DIR, else ~/.cache/iterserve.
     """
-    target = cache_root(cache_dir) / f"tiny-llama-v{BUILDER_VERSION}-{_corpus_digest()[:12]}"
-    return str(build_once(target, build_checkpoint))
+    # Generating the corpus takes well under a second, and keys the cache by content.
+    return str(build_once(cache_root(cache_dir) / cache_dir_name(tiny_corpus()), build_checkpoint))
 
 
-def _corpus_digest() -> str:
-    return hashlib.sha256(CORPUS_PATH.read_bytes()).hexdigest()
+def cache_dir_name(corpus: str) -> str:
+    """The checkpoint's directory in the cache: a new one for every builder version and corpus."""
+    return f"tiny-llama-v{BUILDER_VERSION}-{_corpus_digest(corpus)[:12]}"
+
+
+def _corpus_digest(corpus: str) -> str:
+    return hashlib.sha256(corpus.encode("utf-8")).hexdigest()
 
 
 def build_checkpoint(out_dir: Path) -> None:
     """Write tokenizer + config + weights + generation config into out_dir."""
-    tokenizer = _train_tokenizer(CORPUS_PATH.read_text(encoding="utf-8"))
+    corpus = tiny_corpus()
+    tokenizer = _train_tokenizer(corpus)
+    # The embedding has a row per token: a corpus too poor to fill the vocabulary would silently
+    # give the model another shape.
+    if len(tokenizer) != VOCAB_SIZE:
+        raise RuntimeError(f"the tokenizer trained to {len(tokenizer)} tokens, not {VOCAB_SIZE}: "
+                           "the corpus has too few distinct pieces")
     tokenizer.save_pretrained(out_dir)
-    _build_model(tokenizer, out_dir)
+    _build_model(tokenizer, out_dir, _corpus_digest(corpus))
 
 
 def _train_tokenizer(corpus: str):
@@ -82,7 +94,7 @@ def _train_tokenizer(corpus: str):
     return tokenizer
 
 
-def _build_model(tokenizer, out_dir: Path) -> None:
+def _build_model(tokenizer, out_dir: Path, corpus_sha256: str) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -96,4 +108,4 @@ def _build_model(tokenizer, out_dir: Path) -> None:
     # Chat replies end with <|im_end|>, plain completions with <|end_of_text|>: both stop.
     GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_ids, pad_token_id=eos_ids[0]).save_pretrained(out_dir)
     (out_dir / "iterserve_builder.json").write_text(
-        json.dumps({"builder_version": BUILDER_VERSION, "corpus_sha256": _corpus_digest()}, indent=2) + "\n")
+        json.dumps({"builder_version": BUILDER_VERSION, "corpus_sha256": corpus_sha256}, indent=2) + "\n")

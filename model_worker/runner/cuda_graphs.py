@@ -6,7 +6,7 @@ records the launches of one forward once and replays them with one call. A graph
 same kernels on the same addresses, so every input of a captured forward lives in a static
 buffer that each step refills, and the batch is padded up to the nearest captured size
 (1, 2, 4, 8, then every 8, as vLLM and SGLang do). Padded rows have context length 0 and slot
--1: our Triton kernels (triton_attention.py) write no K/V for them and read none.
+-1: our Triton kernels (attention/triton_kernels.py) write no K/V for them and read none.
 
 Only decode-only steps whose batch fits the largest captured size replay a graph; prefill chunks,
 mixed steps and larger batches run eagerly. The attention must be the Triton backend: its
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from model_worker.runner.attention import StepLayout
-from model_worker.runner.triton_attention import TileLaunch, TritonAttentionMetadata
+from model_worker.runner.attention.base import StepLayout
+from model_worker.runner.attention.triton_kernels import TileLaunch, TritonAttentionMetadata
 from model_worker.runner.uploader import Uploader
 
 # The largest batch captured by default: beyond it a decode step is long enough that launches

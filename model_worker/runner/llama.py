@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from model_worker.runner.attention import AttentionBackend
+from model_worker.runner.attention.base import AttentionBackend
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # These recompute their frequencies from the current sequence length inside the forward pass, so

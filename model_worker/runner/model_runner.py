@@ -20,7 +20,8 @@ from model_worker.sched.batch import ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig
 from model_worker.runner.cpu_features import has_native_bf16
 from model_worker.checkpoints.models import load_tokenizer
-from model_worker.runner.attention import StepLayout, create_attention_backend
+from model_worker.runner.attention.base import StepLayout
+from model_worker.runner.attention.selector import create_attention_backend
 from model_worker.runner.cuda_graphs import DecodeGraphs, cuda_graph_api
 from model_worker.runner.llama import LlamaDecoder
 from model_worker.runner.loader import Checkpoint, load_checkpoint, load_eos_token_ids

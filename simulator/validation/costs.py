@@ -11,6 +11,10 @@
 
 Each figure is the best of --repeats runs (this machine's speed drifts with its neighbours; the
 best is the least disturbed). The last line is one JSON object.
+
+Every figure is a reading of `timer` around the work divided by the work counted (tokens the run
+decoded, requests, decisions). The timer is an argument, so tests drive it by the work itself (a
+tick per simulated step or decision) and check the figures exactly, without timing anything.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from simulator.validation.bench import scale_config, scale_workload
 from simulator.cli import load_step_model
 from simulator.cluster import SimCluster
 from loadtest.traces import BenchRequest
-from router.policy import ReplicaTable, RouterConfig, make_policy
+from router.policy import Policy, ReplicaTable, RouterConfig, make_policy
+
+Timer = Callable[[], float]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,43 +56,45 @@ def best_of(repeats: int, once: Callable[[], float]) -> float:
     return min(once() for _ in range(repeats))
 
 
-def decode_us_per_token(args: argparse.Namespace, step_model: Any) -> float:
+def decode_us_per_token(args: argparse.Namespace, step_model: Any, timer: Timer = time.perf_counter) -> float:
     workload = [BenchRequest(f"d{i}", tuple(range(i * 100 + 1, i * 100 + 17)), args.decode_tokens, 0.0)
                 for i in range(args.batch)]
 
     def once() -> float:
-        started = time.perf_counter()
+        started = timer()
         run = SimCluster(scale_config(1, "round_robin", 0), step_model).run(workload)
-        return (time.perf_counter() - started) / run.counters["tokens"] * 1e6
+        return (timer() - started) / run.counters["tokens"] * 1e6
 
     return best_of(args.repeats, once)
 
 
-def request_ms(args: argparse.Namespace, step_model: Any) -> float:
+def request_ms(args: argparse.Namespace, step_model: Any, timer: Timer = time.perf_counter) -> float:
     workload = scale_workload(args.requests, 30.0, seed=0)
 
     def once() -> float:
-        started = time.perf_counter()
+        started = timer()
         SimCluster(scale_config(1, "prefix_aware", 0), step_model).run(workload)
-        return (time.perf_counter() - started) / len(workload) * 1e3
+        return (timer() - started) / len(workload) * 1e3
 
     return best_of(args.repeats, once)
 
 
-def route_us(args: argparse.Namespace, num_replicas: int) -> float:
+def route_us(args: argparse.Namespace, num_replicas: int, timer: Timer = time.perf_counter,
+             policy: Policy | None = None) -> float:
     """Decisions over a table as the scale run's look: similar loads, most of the cache free, one
-    replica holding the first 10 of the request's 15 blocks."""
+    replica holding the first 10 of the request's 15 blocks. `policy`: the prefix-aware one unless
+    given."""
     rng = np.random.default_rng(0)
     table = ReplicaTable([f"r{i:04d}" for i in range(num_replicas)], rng.integers(20, 26, num_replicas),
                          rng.integers(3000, 8000, num_replicas), np.full(num_replicas, 8192))
-    policy = make_policy(RouterConfig(policy="prefix_aware"), random.Random(0))
+    policy = policy or make_policy(RouterConfig(policy="prefix_aware"), random.Random(0))
     hits = {"r0000": 10}
 
     def once() -> float:
-        started = time.perf_counter()
+        started = timer()
         for _ in range(args.decisions):
             policy.choose(table, hits, 15, 22)
-        return (time.perf_counter() - started) / args.decisions * 1e6
+        return (timer() - started) / args.decisions * 1e6
 
     return best_of(args.repeats, once)
 

@@ -8,7 +8,9 @@ and TTFT by replica count and policy), warm spares (replicas ready and TTFT p90 
 the step) and report traffic (bytes per replica per second as snapshots and as deltas); with
 --served, `simulator.validation.served`'s samples: each case's TTFT CDF, real against simulated, and the
 autoscaling case's replicas over time.
-Uses loadtest.report's figure helpers (matplotlib without pyplot, imported only here).
+Uses loadtest.report's figure helpers (matplotlib without pyplot, imported only here). Each
+`*_figure` function builds a Figure from the JSON and returns it; writing it is separate, so the
+tests read the drawn series back from the Figure.
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loadtest.report import new_figure, save_figure
+
+if TYPE_CHECKING:  # matplotlib loads only when a figure is drawn
+    from matplotlib.figure import Figure
 
 POLICY_STYLE = {"prefix_aware": "tab:green", "pow2": "tab:blue", "round_robin": "tab:orange"}
 
 
-def plot_routing(routing: dict[str, Any], path: Path) -> str:
+def routing_figure(routing: dict[str, Any]) -> Figure:
     fig, (hit_ax, ttft_ax) = new_figure(ncols=2, width_in=5.5)
     counts = sorted(int(n) for n in routing)
     for policy, color in POLICY_STYLE.items():
@@ -44,10 +49,10 @@ def plot_routing(routing: dict[str, Any], path: Path) -> str:
     hit_ax.legend(fontsize=8)
     ttft_ax.legend(fontsize=7, ncol=2)
     fig.suptitle("Shared-prefix multi-turn, simulated on the H100 profile")
-    return save_figure(fig, path)
+    return fig
 
 
-def plot_warm_spares(spares: dict[str, Any], path: Path) -> str:
+def warm_spares_figure(spares: dict[str, Any]) -> Figure:
     fig, (ready_ax, ttft_ax) = new_figure(ncols=2, width_in=5.5)
     step_s = spares.get("step_at_s", 0.0)
     for key in sorted(k for k in spares if k.startswith("spares_")):
@@ -68,10 +73,10 @@ def plot_warm_spares(spares: dict[str, Any], path: Path) -> str:
         ax.set_xlabel(f"seconds after the 4x step (replicas take {spares.get('replica_start_s', 60):.0f} s to start)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    return save_figure(fig, path)
+    return fig
 
 
-def plot_report_traffic(routing: dict[str, Any], path: Path) -> str:
+def report_traffic_figure(routing: dict[str, Any]) -> Figure:
     fig, (ax,) = new_figure(width_in=6.0)
     counts = sorted(int(n) for n in routing)
     x = range(len(counts))
@@ -83,10 +88,10 @@ def plot_report_traffic(routing: dict[str, Any], path: Path) -> str:
     ax.set_ylabel("report bytes per replica per second (KB)")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    return save_figure(fig, path)
+    return fig
 
 
-def plot_served_validation(samples: dict[str, Any], path: Path) -> str:
+def served_validation_figure(samples: dict[str, Any]) -> Figure:
     """One TTFT CDF per case (real solid, simulated dashed), then the autoscaling replica timelines."""
     from matplotlib.ticker import NullFormatter
 
@@ -125,18 +130,27 @@ def plot_served_validation(samples: dict[str, Any], path: Path) -> str:
         ax.legend(fontsize=7)
     for ax in axes[panels:]:
         ax.set_visible(False)
-    return save_figure(fig, path)
+    return fig
+
+
+def plot_served_validation(samples: dict[str, Any], path: Path) -> str:
+    return save_figure(served_validation_figure(samples), path)
+
+
+def bench_figures(result: dict[str, Any]) -> dict[str, Figure]:
+    """File name -> figure, for every part of sim_bench.json that was run."""
+    figures = {}
+    if result.get("routing"):
+        figures["routing_scale.png"] = routing_figure(result["routing"])
+        figures["report_traffic.png"] = report_traffic_figure(result["routing"])
+    if result.get("warm_spares"):
+        figures["warm_spares.png"] = warm_spares_figure(result["warm_spares"])
+    return figures
 
 
 def write_plots(result: dict[str, Any], out_dir: Path) -> list[str]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    if result.get("routing"):
-        written.append(plot_routing(result["routing"], out_dir / "routing_scale.png"))
-        written.append(plot_report_traffic(result["routing"], out_dir / "report_traffic.png"))
-    if result.get("warm_spares"):
-        written.append(plot_warm_spares(result["warm_spares"], out_dir / "warm_spares.png"))
-    return written
+    return [save_figure(fig, out_dir / name) for name, fig in bench_figures(result).items()]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ Mistral and llama3-RoPE Llama models saved with save_pretrained), so nothing is 
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -218,7 +219,7 @@ def test_seeded_sampling_is_batch_invariant_and_survives_recompute(runner, promp
     batched = _decode(runner, [others[0], (prompt, seeded), *others[1:]], 10, first_block=80)[1]
     assert batched == alone
     # Preempted after 6 tokens and recomputed: the prompt and those tokens prefilled in one go.
-    recomputed = runner.execute(step(seq("re", prompt + alone[:6], 0, range(120, 124), params=seeded,
+    recomputed = runner.execute(step(seq("re", prompt + alone[:6], 0, range(120, 128), params=seeded,
                                          output_index=6)))
     assert recomputed == [alone[6]]
     other_seed = SamplingParams(temperature=0.9, top_p=0.95, top_k=200, seed=1235)
@@ -238,6 +239,24 @@ def test_tiny_model_path_is_idempotent(model_cache_dir, tiny_model_dir, monkeypa
 
     monkeypatch.setattr(tiny_model, "build_checkpoint", no_rebuild)
     assert tiny_model.tiny_model_path(model_cache_dir) == tiny_model_dir
+
+
+def test_tiny_model_builds_the_same_files_every_time(tmp_path, tiny_model_dir):
+    """Two builds and the cached one agree byte for byte: the cache key (the corpus) fixes the
+    checkpoint. Its vocabulary is full, the special tokens first."""
+    from transformers import AutoTokenizer
+
+    builds = [tmp_path / "one", tmp_path / "two"]
+    for out_dir in builds:
+        out_dir.mkdir()
+        tiny_model.build_checkpoint(out_dir)
+    files = [{path.name: path.read_bytes() for path in sorted(out_dir.iterdir())} for out_dir in builds]
+    assert files[0] == files[1]
+    cached = {path.name: path.read_bytes() for path in sorted(Path(tiny_model_dir).iterdir())}
+    assert cached == files[0]
+    tokenizer = AutoTokenizer.from_pretrained(builds[0])
+    assert len(tokenizer) == tiny_model.VOCAB_SIZE
+    assert tokenizer.convert_tokens_to_ids(tiny_model.SPECIAL_TOKENS) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("path", ["cpu", "cuda"])
@@ -288,7 +307,7 @@ def _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 @pytest.mark.parametrize("block_size", [16, 256])  # gathered varlen K/V, and the paged block_table path
 def test_flash_attn_backend_logic_matches_torch_backend(tiny_model_dir, prompt, block_size):
-    from model_worker.runner.attention import FlashAttentionBackend
+    from model_worker.runner.attention.flash_attn_backend import FlashAttentionBackend
 
     torch_runner = make_runner(tiny_model_dir, num_kv_blocks=16, block_size=block_size)
     flash_runner = make_runner(tiny_model_dir, num_kv_blocks=16, block_size=block_size)
@@ -320,9 +339,9 @@ def assert_same_logits_over_mixed_steps(runner, reference, prompt, block_size, f
 def test_triton_backend_matches_transformers_and_torch_backend(tiny_model_dir, prompt, block_size):
     """The whole model through our Triton kernels (interpreted on CPU): transformers' logits at every
     position, chunked prefill over the paged cache, and mixed decode steps as the torch backend."""
-    from model_worker.runner import triton_attention
+    from model_worker.runner.attention import triton_kernels
 
-    if not (triton_attention.triton_available() and (triton_attention.interpreting() or torch.cuda.is_available())):
+    if not (triton_kernels.triton_available() and (triton_kernels.interpreting() or torch.cuda.is_available())):
         pytest.skip("needs triton, and a GPU or TRITON_INTERPRET=1")
     triton_runner = make_runner(tiny_model_dir, num_kv_blocks=64, block_size=block_size, attention_backend="triton")
     torch_runner = make_runner(tiny_model_dir, num_kv_blocks=64, block_size=block_size)
@@ -361,10 +380,10 @@ def test_decode_graph_path_matches_eager(tiny_model_dir, prompt):
     """Decode steps of 1, 3 and 5 sequences (padded to graphs of 1, 4 and 8) through the static
     buffers give the eager runner's tokens, and padded rows write no K/V; prefill and mixed steps
     run eagerly."""
-    from model_worker.runner import triton_attention
+    from model_worker.runner.attention import triton_kernels
     from model_worker.runner.cuda_graphs import DecodeGraphs
 
-    if not (triton_attention.triton_available() and triton_attention.interpreting()):
+    if not (triton_kernels.triton_available() and triton_kernels.interpreting()):
         pytest.skip("needs triton under TRITON_INTERPRET=1")
     graphed = make_runner(tiny_model_dir, num_kv_blocks=64, attention_backend="triton")
     eager = make_runner(tiny_model_dir, num_kv_blocks=64, attention_backend="triton")
@@ -416,7 +435,7 @@ def test_profile_steps_run_on_the_runner(tiny_model_dir):
 
 
 def test_decode_groups_cut_padding_and_keep_every_row():
-    from model_worker.runner.attention import split_decode_groups
+    from model_worker.runner.attention.torch_backend import split_decode_groups
 
     blocks = np.array(sorted([1] * 30 + [2] * 10 + [20] * 20 + [48] * 4))
     groups = split_decode_groups(blocks)

@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from model_worker.runner import triton_attention
-from model_worker.runner.attention import StepLayout, TorchAttentionBackend, create_attention_backend
-from model_worker.runner.triton_attention import TritonAttentionBackend, build_tiles
+from model_worker.runner.attention import triton_backend, triton_kernels
+from model_worker.runner.attention.base import StepLayout
+from model_worker.runner.attention.selector import create_attention_backend
+from model_worker.runner.attention.torch_backend import TorchAttentionBackend
+from model_worker.runner.attention.triton_backend import TritonAttentionBackend, build_tiles
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(
-    not triton_attention.triton_available() or not (triton_attention.interpreting() or torch.cuda.is_available()),
+    not triton_kernels.triton_available() or not (triton_kernels.interpreting() or torch.cuda.is_available()),
     reason="needs triton, and a GPU or TRITON_INTERPRET=1")]
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and not triton_attention.interpreting() else "cpu")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not triton_kernels.interpreting() else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
@@ -167,7 +169,7 @@ def test_backend_choice(monkeypatch):
     cpu = torch.device("cpu")
     assert create_attention_backend("auto", cpu, torch.float32, 16).name == "torch"
     assert create_attention_backend("triton", cpu, torch.float32, 16).name == "triton"  # interpreted here
-    monkeypatch.setattr(triton_attention, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         create_attention_backend("triton", cpu, torch.float32, 16)
 
@@ -181,7 +183,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from model_worker.runner import triton_attention as ta
+from model_worker.runner.attention import triton_kernels as ta
 
 def signature(kernel, dtype):
     tensors = {"out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "k_ptr", "v_ptr"}
@@ -205,7 +207,7 @@ def test_kernels_compile_for_hopper():
     import subprocess
     import sys
 
-    from model_worker.runner.triton_attention import BLOCK_N, PREFILL_BLOCK_Q, _next_pow2
+    from model_worker.runner.attention.triton_kernels import BLOCK_N, PREFILL_BLOCK_Q, _next_pow2
 
     def attention(group, head_dim, block_q, fp32_dot, cache_block=16):
         """The constants paged_attention() launches with."""

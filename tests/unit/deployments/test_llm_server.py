@@ -1,12 +1,15 @@
-"""LLMServer's Serve hooks and configuration, over a real engine with the fake KV runner."""
+"""LLMServer's Serve hooks and configuration, over a real engine with the fake KV runner; its
+stream chunk coalescing over a scripted engine whose outputs come at set times on a fake clock."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
+from types import SimpleNamespace
 
 import pytest
 
-from contracts.serving import GenerateRequest
+from contracts.serving import GenerateRequest, GenerationChunk
 from deployments.app_config import AppArgs
 from deployments.errors import APIError
 from autoscaler.admission import replica_policy
@@ -209,47 +212,179 @@ def test_block_hashes_from_a_caller_with_another_block_size_are_a_400():
     assert whole.finished and len(whole.token_ids) == 2
 
 
-def _stream_chunks(stream_chunks_per_s: float, num_streams: int, max_tokens: int = 40) -> list[list[list[int]]]:
-    """The token ids of each content chunk of each of num_streams concurrent streams."""
-    engine = LLMEngine(EngineConfig(block_size=4),
-                       model_runner=FakeKVRunner(256, 4, 256, 300, step_delay_s=0.002))
-    server = LLMServer(engine=AsyncLLMEngine(engine=engine), served_model_name="m", replica_id="r0",
+class ScriptedStream:
+    """A request's outputs, each due at a time on the FakeClock. Waiting moves the clock: to the
+    next output's time if it is due within the wait, else by the whole wait (a timeout). Only the
+    consumer's waits move it, so every decision of the stream's coalescing is known exactly."""
+
+    def __init__(self, clock: FakeClock, outputs: list[tuple[float, GenerationChunk]]) -> None:
+        self.clock = clock
+        self.outputs = collections.deque(outputs)
+        self.closed = False
+
+    async def next_within(self, timeout_s: float) -> GenerationChunk | None:
+        await asyncio.sleep(0)
+        if not self.outputs:
+            raise StopAsyncIteration
+        due_s, chunk = self.outputs[0]
+        if due_s > self.clock() + timeout_s:
+            self.clock.advance(timeout_s)
+            return None
+        self.clock.now_s = max(self.clock(), due_s)
+        return self.outputs.popleft()[1]
+
+    def ready(self) -> list[GenerationChunk]:
+        taken = []
+        while self.outputs and self.outputs[0][0] <= self.clock() and not (taken and taken[-1].finished):
+            taken.append(self.outputs.popleft()[1])
+        return taken
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ScriptedEngine:
+    """The engine surface LLMServer uses; each request added gets the next script's stream."""
+
+    def __init__(self, clock: FakeClock, scripts: list[list[tuple[float, GenerationChunk]]]) -> None:
+        self.limits = SimpleNamespace(max_num_seqs=8, max_model_len=256, num_kv_blocks=64, block_size=4)
+        self.load_times_s: dict[str, float] = {}
+        self.vocab_size = 300
+        self.eos_token_ids = frozenset()
+        self.clock = clock
+        self.scripts = collections.deque(scripts)
+        self.streams: list[ScriptedStream] = []
+
+    def add_request(self, prompt_token_ids, params, **_) -> ScriptedStream:
+        self.streams.append(ScriptedStream(self.clock, self.scripts.popleft()))
+        return self.streams[-1]
+
+    def seconds_since_alive(self) -> float:
+        return 0.0
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        pass
+
+
+# Exact binary fractions, so every sum of times on the clock is exact: a token every 1/256 s.
+TOKEN_S = 1 / 256
+START_S = 1000.0
+
+
+def token_script(tokens: list[int], late_index: int | None = None, late_s: float = 0.0,
+                 progress_first: bool = False) -> list[tuple[float, GenerationChunk]]:
+    """One output per token, TOKEN_S apart, the last one finished; token number late_index (from
+    0) and every later one late_s late: the engine paused. progress_first: an output with no
+    token (prompt progress only) half a token's time before the first."""
+    script, due_s = [], START_S
+    if progress_first:
+        script.append((START_S + TOKEN_S / 2, GenerationChunk("r", num_prompt_tokens=3, num_cached_tokens=2)))
+    for index, token in enumerate(tokens):
+        due_s += TOKEN_S + (late_s if index == late_index else 0.0)
+        last = index == len(tokens) - 1
+        script.append((due_s, GenerationChunk("r", token_ids=[token], finished=last,
+                                              finish_reason="length" if last else None,
+                                              num_output_tokens=index + 1)))
+    return script
+
+
+def stream_chunks(tokens: list[int], stream_chunks_per_s: float, num_open_streams: int = 1,
+                  **script) -> list[tuple[float, list[int], bool]]:
+    """(clock time, token ids, finished) of each content chunk of one stream, while
+    num_open_streams - 1 other streams are open and idle (admitted, waiting for tokens)."""
+    clock = FakeClock(START_S)
+    scripts = [[] for _ in range(num_open_streams - 1)] + [token_script(tokens, **script)]
+    engine = ScriptedEngine(clock, scripts)
+    server = LLMServer(engine=engine, served_model_name="m", replica_id="r0", clock=clock,
                        stream_chunks_per_s=stream_chunks_per_s)
 
-    async def one(i):
+    async def main():
+        held = [server.generate_stream(GenerateRequest([5, 6, 7], greedy_params(len(tokens))))
+                for _ in range(num_open_streams - 1)]
+        for stream in held:
+            await stream.__anext__()  # admitted: it counts as an open stream from here
+        assert server.num_open_streams == num_open_streams - 1
         chunks = []
-        async for chunk in server.generate_stream(GenerateRequest([5 + i, 6, 7], greedy_params(max_tokens))):
+        async for chunk in server.generate_stream(GenerateRequest([5, 6, 7], greedy_params(len(tokens)))):
             if chunk.token_ids:
-                chunks.append(list(chunk.token_ids))
+                chunks.append((clock(), list(chunk.token_ids), chunk.finished))
+        for stream in held:
+            await stream.aclose()
         return chunks
 
-    async def main():
-        return await asyncio.gather(*(one(i) for i in range(num_streams)))
-
     try:
-        return asyncio.run(main())
+        chunks = asyncio.run(main())
     finally:
         server.shutdown()
+    assert server.num_open_streams == 0 and all(stream.closed for stream in engine.streams)
+    return chunks
 
 
 def greedy_params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
-def test_within_the_chunk_budget_every_token_goes_out_alone():
-    for chunks, i in zip(_stream_chunks(stream_chunks_per_s=1e6, num_streams=2), range(2)):
-        assert [t for c in chunks for t in c] == reference_tokens([5 + i, 6, 7], 40, 300)
-        assert len(chunks) >= 35, "a consumer that keeps up gets (nearly) one chunk per token"
+TOKENS = list(range(100, 140))
+
+
+def due(index: int) -> float:
+    """When token number index (from 0) comes out of the scripted engine."""
+    return START_S + (index + 1) * TOKEN_S
+
+
+def test_within_the_chunk_budget_every_token_goes_out_alone_when_it_comes():
+    chunks = stream_chunks(TOKENS, stream_chunks_per_s=1e6)
+    assert chunks == [(due(i), [token], i == len(TOKENS) - 1) for i, token in enumerate(TOKENS)]
 
 
 def test_beyond_the_chunk_budget_tokens_are_folded_but_first_and_last_are_not_held():
-    """4 streams on a budget of 20 chunks/s: each stream sends at most every 0.2 s, while the
-    engine makes a token every ~2 ms. The first token still goes out alone, every token arrives
-    once and in order, and the whole stream is far fewer chunks."""
-    for i, chunks in enumerate(_stream_chunks(stream_chunks_per_s=20, num_streams=4)):
+    """4 open streams on a budget of 64 chunks/s: a stream sends at most every 4 / 64 = 1/16 s,
+    16 tokens' time. The first token goes out alone at once, then a chunk of 16 tokens every
+    1/16 s, and the last chunk as soon as the last token comes."""
+    chunks = stream_chunks(TOKENS, stream_chunks_per_s=64, num_open_streams=4)
+    assert chunks == [(due(0), TOKENS[:1], False), (due(16), TOKENS[1:17], False),
+                      (due(32), TOKENS[17:33], False), (due(39), TOKENS[33:], True)]
+
+
+def test_the_first_token_is_not_held_by_an_output_without_tokens_sent_just_before():
+    chunks = stream_chunks(TOKENS[:3], stream_chunks_per_s=64, num_open_streams=4, progress_first=True)
+    assert chunks == [(due(0), TOKENS[:1], False), (due(2), TOKENS[1:3], True)]
+
+
+def test_the_interval_is_shared_by_every_open_stream():
+    """The same budget and one stream alone: it may send every 1/64 s, 4 tokens' time."""
+    chunks = stream_chunks(TOKENS[:12], stream_chunks_per_s=64)
+    assert chunks == [(due(0), TOKENS[:1], False), (due(4), TOKENS[1:5], False), (due(8), TOKENS[5:9], False),
+                      (due(11), TOKENS[9:12], True)]
+
+
+def test_folded_tokens_go_out_when_their_interval_ends_even_if_the_engine_pauses():
+    """Tokens 2 to 5 wait for the interval (1/16 s from the first token) while the engine pauses
+    for 1/2 s: they go out at the interval's end, not with the next token. That one comes after a
+    whole quiet interval and goes out at once; the last two are folded."""
+    chunks = stream_chunks(TOKENS[:8], stream_chunks_per_s=64, num_open_streams=4, late_index=5, late_s=0.5)
+    assert chunks == [(due(0), TOKENS[:1], False), (due(0) + 1 / 16, TOKENS[1:5], False),
+                      (due(5) + 0.5, TOKENS[5:6], False), (due(7) + 0.5, TOKENS[6:8], True)]
+
+
+def test_a_real_engine_beyond_the_chunk_budget_sends_every_token_once_and_in_order():
+    engine = LLMEngine(EngineConfig(block_size=4), model_runner=FakeKVRunner(256, 4, 256, 300, step_delay_s=0.002))
+    server = LLMServer(engine=AsyncLLMEngine(engine=engine), served_model_name="m", replica_id="r0",
+                       stream_chunks_per_s=20)
+
+    async def one(i):
+        return [list(chunk.token_ids) async for chunk in
+                server.generate_stream(GenerateRequest([5 + i, 6, 7], greedy_params(40))) if chunk.token_ids]
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(4)))
+
+    try:
+        streams = asyncio.run(main())
+    finally:
+        server.shutdown()
+    for i, chunks in enumerate(streams):
         assert [t for c in chunks for t in c] == reference_tokens([5 + i, 6, 7], 40, 300)
-        assert len(chunks[0]) == 1, "the first token is never held back"
-        assert len(chunks) <= 6, [len(c) for c in chunks]
 
 
 def test_the_chunk_budget_must_be_positive():

@@ -9,7 +9,6 @@ import random
 import pytest
 
 from contracts import RoutingReport
-from model_worker.sched.block_pool import BlockPool
 from router.policy import ReplicaSnapshot, ReplicaTable, RouterConfig, make_policy
 from router.prefix_index import PrefixIndex
 

@@ -1,69 +1,20 @@
-"""Attention over the paged KV cache: a small backend interface, a torch backend and flash-attn.
+"""The torch backend: F.scaled_dot_product_attention over K/V gathered from the paged cache.
 
-The cache of one layer is two tensors (num_kv_blocks, block_size, num_kv_heads, head_dim). A
-token at position p of a sequence lives in slot block_table[p // block_size] * block_size +
-p % block_size of the flattened (num_slots, num_kv_heads, head_dim) view.
-
-Every backend first writes ALL new K/V of the step into the cache, then attends: a sequence may
-read a prefix-cache block that another sequence of the same step is writing. Metadata is built
-once per step by `prepare` and shared by every layer.
+Correct on CPU and CUDA, and the fast path on CPU. Decodes of similar context length run as one
+batched SDPA over their gathered blocks; each prefill chunk runs as its own SDPA, over its own
+K/V when it starts the sequence and over its gathered context otherwise.
 """
 
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-ATTENTION_BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
-
-
-@dataclass(slots=True)
-class StepLayout:
-    """Where each sequence's tokens sit in the packed step, as numpy arrays built by the runner."""
-
-    query_lens: np.ndarray  # (S,) int64: tokens computed this step per sequence
-    start_positions: np.ndarray  # (S,) int64: tokens already in the cache before the step
-    context_lens: np.ndarray  # (S,) int64: start_positions + query_lens
-    query_starts: np.ndarray  # (S + 1,) int64: offsets of each sequence in the packed tokens
-    block_tables: np.ndarray  # (S, max_blocks) int64, right-padded with block 0
-    slot_mapping: np.ndarray  # (T,) int64: cache slot of every new token
-    block_size: int
-
-    def slots_for_positions(self, rows: np.ndarray, max_len: int) -> np.ndarray:
-        """(len(rows), max_len) slots of positions [0, max_len) of the given sequences.
-
-        Positions past a sequence's context map through padded block-table entries (block 0);
-        callers mask them out.
-        """
-        positions = np.arange(max_len, dtype=np.int64)
-        blocks = self.block_tables[rows][:, positions // self.block_size]
-        return blocks * self.block_size + positions % self.block_size
-
-
-class AttentionBackend(ABC):
-    name: str
-
-    @abstractmethod
-    def prepare(self, layout: StepLayout, device: torch.device) -> Any:
-        """Build this step's metadata (tensors on `device`), shared by every layer."""
-
-    @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, metadata: Any, scale: float) -> torch.Tensor:
-        """q (T, num_heads, head_dim); k, v (T, num_kv_heads, head_dim) -> (T, num_heads, head_dim)."""
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+from model_worker.runner.attention.base import AttentionBackend, StepLayout, write_kv
 
 
 @dataclass(slots=True)
@@ -233,106 +184,3 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask, scale=scale)
         return out.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
-
-
-@dataclass(slots=True)
-class FlashAttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,)
-    cu_seqlens_q: torch.Tensor  # (S + 1,) int32
-    cu_seqlens_k: torch.Tensor  # (S + 1,) int32
-    max_seqlen_q: int
-    max_seqlen_k: int
-    # Paged path (block_size a multiple of 256): (S, max_blocks) int32. Otherwise None and
-    # context_slots (sum of context_lens,) gathers every sequence's K/V into varlen form.
-    block_table: torch.Tensor | None
-    context_slots: torch.Tensor | None
-
-
-class FlashAttentionBackend(AttentionBackend):
-    """flash_attn_varlen_func over the whole packed step in one call (CUDA only)."""
-
-    name = "flash_attn"
-    # flash-attn reads a paged cache directly only when its page size is a multiple of 256.
-    PAGED_BLOCK_MULTIPLE = 256
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        from flash_attn import flash_attn_varlen_func
-
-        from model_worker.runner.uploader import Uploader
-
-        self._varlen = flash_attn_varlen_func
-        self.upload = Uploader(device or torch.device("cuda"))
-
-    def prepare(self, layout: StepLayout, device: torch.device) -> FlashAttentionMetadata:
-        cu_k = np.zeros(len(layout.context_lens) + 1, dtype=np.int64)
-        np.cumsum(layout.context_lens, out=cu_k[1:])
-        paged = layout.block_size % self.PAGED_BLOCK_MULTIPLE == 0
-        if paged:
-            context = layout.block_tables
-        else:
-            max_context = int(layout.context_lens.max())
-            slots = layout.slots_for_positions(np.arange(len(layout.context_lens)), max_context)
-            valid = np.arange(max_context)[None, :] < layout.context_lens[:, None]
-            context = slots[valid]  # row-major: sequence by sequence
-        # One asynchronous copy for the whole step; flash-attn takes int32 offsets and tables.
-        slot_mapping, cu_q, cu_k_tensor, context = self.upload([layout.slot_mapping, layout.query_starts, cu_k, context])
-        return FlashAttentionMetadata(
-            slot_mapping=slot_mapping, cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_k=cu_k_tensor.to(torch.int32),
-            max_seqlen_q=int(layout.query_lens.max()), max_seqlen_k=int(layout.context_lens.max()),
-            block_table=context.to(torch.int32) if paged else None, context_slots=None if paged else context)
-
-    def forward(self, q, k, v, k_cache, v_cache, metadata: FlashAttentionMetadata, scale):
-        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        if metadata.block_table is not None:
-            keys, values = k_cache, v_cache
-        else:
-            num_kv_heads, head_dim = k_cache.shape[-2:]
-            keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, metadata.context_slots)
-            values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, metadata.context_slots)
-        # causal=True is bottom-right aligned in flash-attn >= 2.1: query i of a chunk starting at
-        # position p sees keys [0, p + i], which is exactly chunked prefill with earlier context.
-        paged = {} if metadata.block_table is None else {"block_table": metadata.block_table}
-        return self._varlen(q.contiguous(), keys, values, metadata.cu_seqlens_q, metadata.cu_seqlens_k,
-                            metadata.max_seqlen_q, metadata.max_seqlen_k, softmax_scale=scale, causal=True, **paged)
-
-
-def flash_attn_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-# flash-attn kernels exist for half precision only.
-FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
-                             block_size: int) -> AttentionBackend:
-    """"auto" on CUDA: flash-attn where it reads the paged cache in place (half precision, a block
-    size that is a multiple of 256), else our Triton kernels, else flash-attn gathering K/V, else
-    torch. On CPU: torch (Triton runs on CPU only under its interpreter, for tests)."""
-    from model_worker.runner import triton_attention
-
-    if name not in ATTENTION_BACKEND_NAMES:
-        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_NAMES)}; got {name!r}")
-    if name == "auto":
-        flash = device.type == "cuda" and dtype in FLASH_ATTN_DTYPES and flash_attn_available()
-        if flash and block_size % FlashAttentionBackend.PAGED_BLOCK_MULTIPLE == 0:
-            name = "flash_attn"
-        elif device.type == "cuda" and triton_attention.triton_available():
-            name = "triton"
-        else:
-            name = "flash_attn" if flash else "torch"
-    if name == "triton":
-        return triton_attention.TritonAttentionBackend(device)
-    if name == "flash_attn":
-        if device.type != "cuda":
-            raise ValueError("attention_backend 'flash_attn' needs a CUDA device")
-        if dtype not in FLASH_ATTN_DTYPES:
-            raise ValueError(f"attention_backend 'flash_attn' needs float16 or bfloat16, not {dtype}")
-        if not flash_attn_available():
-            raise ValueError("attention_backend 'flash_attn' needs the flash-attn package (pip install flash-attn)")
-        return FlashAttentionBackend(device)
-    return TorchAttentionBackend()
