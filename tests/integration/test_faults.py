@@ -301,7 +301,7 @@ def test_a_replica_whose_engine_stopped_fails_no_request(app, client):
     requests got 503; now its refusals are retried elsewhere and Serve replaces it in seconds."""
     wait_healthy(client)
     llm = app.serve.get_deployment_handle("LLMServer", APP)
-    llm.options(method_name="shutdown").remote().result(timeout_s=30)  # one replica's engine core stops; its process lives
+    llm.options(method_name="shutdown").remote().result(timeout_s=30)  # one replica's engine stops; its process lives
 
     async def traffic():
         async with httpx.AsyncClient(base_url=app.base, timeout=CLIENT_TIMEOUT_S) as c:
