@@ -3,10 +3,10 @@ the API makes. GET /openapi.json is generated from them (deployments/openapi.py)
 
 A refused field answers in the API's own words: each field carries its refusal (what the client
 is told, given the field's path, such as "messages[2].content") into pydantic's error, and
-`validate` raises the first one as an APIError. Fields are declared in the order the API has
-always checked them, and pydantic reports errors in field order, so a body with several bad
-fields is refused for the same one as before (one exception: a lone surrogate in `stop` was found
-before a bad temperature, top_p, top_k or seed, and is now found after).
+`validate` raises the first one as an APIError. Fields are declared in the order the API checks
+them, and pydantic reports errors in field order, so a body with several bad fields is refused
+for the first of them in declaration order (a lone surrogate in `stop` comes after a bad
+temperature, top_p, top_k or seed).
 
 The checks: JSON has one number type, so an integral float (16.0) is the int it is, as JSON
 Schema, OpenAI and vLLM (pydantic) take it; a bool is never a number. Parameters we do not
