@@ -49,15 +49,16 @@ ttft_slo_s 1.0: chat users notice a pause past about a second. warm_spares 0: a 
 set 1 when bursts must not wait for a weight load. scale_up_delay_s 2: ignores a one-sample burst,
 and is short next to the minute a new replica takes to load. panic_threshold 2: twice the target
 is not noise, and waiting only grows the queue (KPA panics at 200% too). max_scale_up_factor 4: a
-backlog overstates the lasting load a little, but a new replica takes tens of seconds to load,
-and doubling per load (1, 2, 4) measured a minute to absorb a 4x step that one decision can size.
+backlog overstates the lasting load a little, but a new replica takes tens of seconds to load, so
+doubling per load (1, 2, 4) absorbs a 4x step only after two loads, where one decision can size it
+(docs/benchmarks.md, 'Autoscaling and admission: step load and overload').
 scale_down_delay_s 30: covers the gaps between bursts, since a replica removed too early costs a
 weight load when the load returns. low_water 0.5: removing one of n >= 2 replicas raises each
 one's load by n / (n - 1) <= 2, so a step down from under half the target cannot itself push
 pressure over 1. down_seat_utilization 0.75: a continuous batch past three quarters full starts to
-queue on bursts; measured, stepping down on calm alone took a 4x load from 4 replicas to 2 and
-straight back to 6. kv_high 0.95: past it the engine preempts or stops admitting; below it the cache
-is simply well used.
+queue on bursts, and stepping down on calm alone overshoots, down and then back up
+(docs/benchmarks.md, 'Autoscaling and admission: step load and overload'). kv_high 0.95: past it
+the engine preempts or stops admitting; below it the cache is simply well used.
 """
 
 from __future__ import annotations

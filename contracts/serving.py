@@ -96,7 +96,7 @@ class GenerationChunk:
     error: str | None = None
     # The LLMServer replica that served the request (routing tests and debugging).
     replica_id: str | None = None
-    # No progress, only proof of life: the replica and its engine core are working (sent about
+    # No progress, only proof of life: the replica and its engine loop are working (sent about
     # once a second while a request waits), so a caller can tell a slow request from a dead replica.
     keepalive: bool = False
 

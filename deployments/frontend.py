@@ -196,9 +196,9 @@ class DisconnectSafe:
 
     Ray Serve's ASGI bridge raises TaskCancelledError from receive() when the proxy cancels a
     request whose client hung up. Starlette's StreamingResponse listens for the disconnect through
-    receive(), so the error escaped the app and Serve logged a traceback ("Task exception was
-    never retrieved") for each hang-up. As a disconnect message it ends the response normally,
-    and closing the stream cancels the request on its replica as before."""
+    receive(), so the raw error would escape the app and Serve would log a traceback ("Task
+    exception was never retrieved") for each hang-up. As a disconnect message it ends the response
+    normally, and closing the stream cancels the request on its replica."""
 
     def __init__(self, app: Any) -> None:
         self.app = app

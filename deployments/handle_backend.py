@@ -307,8 +307,8 @@ def _own_request_context() -> Iterator[None]:
 
     Serve's request context carries the HTTP request's internal id into every handle call made
     while serving it, and Ray 2.60's RequestRouter matches a routing decision to its pending call
-    by that id: the second of two calls sharing it was never routed, and its routing task spun at
-    100% CPU (a completions request with two prompts hung, issue 11). Each call gets a fresh id."""
+    by that id: the second of two calls sharing it is never routed, and its routing task spins at
+    100% CPU (a completions request with two prompts would hang). Each call gets a fresh id."""
     from ray.serve import context
 
     current = context._get_serve_request_context()

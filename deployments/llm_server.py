@@ -40,22 +40,23 @@ from model_worker.sched.scheduler import RequestRejected
 # A stream with no output for this long gets a keep-alive chunk, so the ingress can tell a request
 # that waits (queued, or a long prefill) from a replica that is frozen or gone.
 KEEPALIVE_INTERVAL_S = 1.0
-# Keep-alives stop once the engine core has not begun a step for this long: a step that hangs
+# Keep-alives stop once the engine loop has not begun a step for this long: a step that hangs
 # (a stuck kernel) must look like a dead replica to the ingress, which then migrates its streams.
 # Far above any step's time (a full token budget of prefill is well under a second on a GPU).
 ENGINE_STALL_S = 5.0
-# check_health fails once the engine core has not begun a step for this long, and Serve
+# check_health fails once the engine loop has not begun a step for this long, and Serve
 # replaces the replica. Longer than ENGINE_STALL_S: the streams have been migrated by then, and
 # a replica is only killed for a hang, never for one slow step.
 ENGINE_HUNG_S = 30.0
 # Chunks per second one replica streams over all its requests. Each chunk costs every hop a Ray
-# message (measured on the 2-core machine: about 0.8 ms of CPU in the replica, 1.5 ms in the
-# ingress, 0.8 ms in the HTTP proxy and 0.5 ms in the client; docs/benchmarks.md), so a token per
-# chunk, with many streams and a fast step, spends more CPU on the path than the engine spends on
-# the step. Within the budget every token goes out as it comes; beyond it a request's tokens go out
-# together, at most every num_open_streams / budget seconds. A first token and a last chunk are
-# never held back, so TTFT and end-to-end latency (and TPOT) are the engine's; only the spacing of
-# the text in between coarsens under load (SGLang's --stream-interval, in time instead of tokens).
+# message or an SSE event, a millisecond or so of CPU in each of the replica, the ingress, the HTTP
+# proxy and the client (docs/benchmarks.md, 'The serving path against the engine alone, and
+# against vLLM'), so a token per chunk, with many streams and a fast step, spends more CPU on the
+# path than the engine spends on the step. Within the budget every token goes out as it comes;
+# beyond it a request's tokens go out together, at most every num_open_streams / budget seconds.
+# A first token and a last chunk are never held back, so TTFT and end-to-end latency (and TPOT)
+# are the engine's; only the spacing of the text in between coarsens under load (SGLang's
+# --stream-interval, in time instead of tokens).
 STREAM_CHUNKS_PER_S = 200.0
 
 
@@ -118,7 +119,7 @@ class LLMServer:
         """Stream a request. The first chunk (no tokens) confirms admission: every error a request
         can cause is raised before it, as an APIError. Closing the stream early aborts the request.
         While no output comes, a keep-alive chunk goes out every keepalive_interval_s for as long
-        as the engine core is working.
+        as the engine loop is working.
 
         Outputs go out as they come while this replica streams fewer than stream_chunks_per_s
         chunks a second; beyond that budget a request's outputs are folded together (`extend`)
@@ -224,7 +225,7 @@ class LLMServer:
         return self.info
 
     async def check_health(self) -> None:
-        """Serve restarts a replica whose health check raises: an engine core that stopped, or
+        """Serve restarts a replica whose health check raises: an engine loop that stopped, or
         one that has not begun a step for engine_hung_s."""
         if not self.engine.is_running:
             raise RuntimeError(f"the engine core on replica {self.replica_id} has stopped")

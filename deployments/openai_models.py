@@ -3,10 +3,10 @@ the API makes. GET /openapi.json is generated from them (deployments/openapi.py)
 
 A refused field answers in the API's own words: each field carries its refusal (what the client
 is told, given the field's path, such as "messages[2].content") into pydantic's error, and
-`validate` raises the first one as an APIError. Fields are declared in the order the API has
-always checked them, and pydantic reports errors in field order, so a body with several bad
-fields is refused for the same one as before (one exception: a lone surrogate in `stop` was found
-before a bad temperature, top_p, top_k or seed, and is now found after).
+`validate` raises the first one as an APIError. Fields are declared in the order the API checks
+them, and pydantic reports errors in field order, so a body with several bad fields is refused
+for the first of them in declaration order (a lone surrogate in `stop` comes after a bad
+temperature, top_p, top_k or seed).
 
 The checks: JSON has one number type, so an integral float (16.0) is the int it is, as JSON
 Schema, OpenAI and vLLM (pydantic) take it; a bool is never a number. Parameters we do not
@@ -161,7 +161,7 @@ class _DefaultOnly:
 
 def _priority(value: Any) -> Priority:
     try:
-        return Priority.parse(value or "interactive")  # null, "", 0 and false have always meant the default
+        return Priority.parse(value or "interactive")  # null, "", 0 and false mean the default
     except ValueError as exc:
         message = str(exc)
         raise _refused(lambda path: invalid(path, message)) from None
@@ -176,7 +176,7 @@ def _served_model(value: str | None, info: ValidationInfo) -> str | None:
 
 
 def _stop_text(value: Any) -> Any:
-    """Stop strings are checked for Unicode before their type and length, as they always were."""
+    """Stop strings are checked for Unicode first, before their type and length."""
     for stop in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
         if isinstance(stop, str):
             _text(stop)
@@ -194,7 +194,7 @@ _MaxTokens = Annotated[Annotated[int, Field(ge=1)] | None,
                        BeforeValidator(_integral)]
 
 # A prompt: text, texts, token ids, or lists of token ids. Its count, emptiness and text are
-# checked after its shape (CompletionRequest.prompt), as they always were; the schema states them.
+# checked after its shape (CompletionRequest.prompt); the schema states them.
 _PromptText = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
 _TokenIds = Annotated[list[int], Field(min_length=1, fail_fast=True)]
 _PromptBatch = Field(min_length=1, fail_fast=True, json_schema_extra={"maxItems": MAX_PROMPTS_PER_REQUEST})

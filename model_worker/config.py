@@ -31,7 +31,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     # Most requests running at once (decoding or prefilling). A decode step's fixed costs (weights,
     # kernel launches, Python) are shared by every running request, so more is better until the
-    # KV cache or the step latency runs out; 128 measured best on the 2-core CPU benchmark.
+    # KV cache or the step latency runs out; on CPU, continuous batching's throughput is flat from
+    # 64 to 256 (docs/benchmarks.md, 'Engine: continuous vs static batching vs transformers').
     max_num_seqs: int = 128
     # Token budget of one step: decodes (1 each) plus prompt chunks. Bounds step latency, so a
     # long prompt is prefilled over several steps while running requests keep decoding.

@@ -70,7 +70,7 @@ class ClusterConfig:
     routing_stats_period_s: float = 1.0
     report_delay_s: float = 0.0
     # "delta": the prefix cache's changes, a snapshot every full_report_every reports (what
-    # LLMServer sends); "full": every report a snapshot (what it sent before deltas).
+    # LLMServer sends); "full": every report a snapshot (the baseline deltas are compared with).
     report_mode: str = "delta"
     full_report_every: int = 60
     # The `admission` app arg (autoscaler.admission.replica_policy's keywords), as every
@@ -340,7 +340,7 @@ class SimCluster:
             counters["reports"] += 1
             counters["report_bytes"] += REPORT_BASE_BYTES + REPORT_BYTES_PER_HASH * report.num_hashes
             counters["report_hashes"] += report.num_hashes
-            if self._routes_on_prefix:  # what the same report costs as a snapshot (what it was before deltas)
+            if self._routes_on_prefix:  # what the same report would cost as a snapshot: the baseline
                 counters["snapshot_bytes"] += REPORT_BASE_BYTES + REPORT_BYTES_PER_HASH * num_cached_blocks
             if delay:
                 self.loop.at(time_s + delay, self._deliver, report)

@@ -10,9 +10,9 @@ A step's time is linear in six features of its SchedulerOutput, every coefficien
       + decode_seq_s        * decode_seqs       matmul row + logits + sampling of each decode
       + context_token_s     * context_tokens    cached KV each sequence's attention reads
       + prefill_attention_s * prefill_attention (query, key) pairs of the chunks' causal attention
-      + multi_row_s         * (tokens >= 2)     a step of more than one row: on the 2-core CPU
-                                                here a one-row matmul takes a faster path (SmolLM2:
-                                                a batch-1 decode 102 ms, batch 2 175 ms)
+      + multi_row_s         * (tokens >= 2)     a step of more than one row: on some CPUs a
+                                                one-row matmul takes a faster path
+                                                (docs/simulator.md, 'Step-time profiles')
 
 Non-negative coefficients make the model monotone: more work never predicts less time. They are
 fitted by non-negative least squares on relative error (each row divided by its measured time), so

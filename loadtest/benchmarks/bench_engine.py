@@ -173,8 +173,8 @@ def hf_cb_options(a: argparse.Namespace) -> hf.HFContinuousOptions:
 
 
 def matmul_gflops(threads: int) -> float:
-    """A 0.3 s probe of what the CPU delivers right now. On a shared 2-core box it swings 1.5-3x
-    with neighbours' load; printed next to each run so a reader can tell a slow system from a slow
+    """A 0.3 s probe of what the CPU delivers right now. On a shared machine it swings with the
+    neighbours' load; printed next to each run so a reader can tell a slow system from a slow
     machine."""
     torch.set_num_threads(threads)
     a = torch.randn(512, 512)

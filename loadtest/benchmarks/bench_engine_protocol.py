@@ -11,7 +11,7 @@ for one add message, times, per message, in this process and without the pipe it
 `tuple` is the baseline: positional tuples pickled as multiprocessing's Connection.send/recv
 pickle them (ForkingPickler, its default protocol). `struct` is model_worker.engine.protocol with
 its EngineCodec. Each figure is the median over --repeats runs of as many messages as fill about
---run-s seconds; old and new alternate run by run, so that drift of a shared machine falls on both.
+--run-s seconds; tuple and struct alternate run by run, so that drift of a shared machine falls on both.
 Prints a table and, last, one JSON object.
 """
 

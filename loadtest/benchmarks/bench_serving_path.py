@@ -9,11 +9,11 @@ One run, on the same requests (random prompt tokens, a fixed output length, EOS 
    decode steps), the same light-load arrivals replayed into the engine (its TPOT), and every
    request at t=0 (useful output tokens/s).
 2. Served, `iterserve`'s Serve application with one replica on a local Ray, over HTTP with the
-   streaming load client (loadtest.client), once per `--served` mode (the engine core in its own
-   process, or the step loop in a thread of the replica): the light-load arrivals (TTFT, TPOT and
+   streaming load client (loadtest.client), once per `--served` mode (the engine loop in a process
+   of its own, or in a thread of the replica): the light-load arrivals (TTFT, TPOT and
    ITL p50) and every request at once (output tokens/s). The replica's own TTFT and inter-token
    histograms are scraped before and after each run, and the CPU time of the replica, its engine
-   core, the ingress, the HTTP proxy and the client is read from /proc; with `--profile`, py-spy
+   process, the ingress, the HTTP proxy and the client is read from /proc; with `--profile`, py-spy
    samples them too (their top functions go into the output directory and the JSON).
 3. With `--peer vllm`, vLLM's CPU build serving the same checkpoint and dtype
    (loadtest/benchmarks/peer_vllm.py), driven by the same client and requests, its own histograms scraped.
@@ -70,11 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true",
-                   help="py-spy the replica, its engine core, the ingress and the proxy")
+                   help="py-spy the replica, its engine process, the ingress and the proxy")
     p.add_argument("--served", default="process",
-                   help="comma-separated: 'process' (the engine core in its own process, the default "
-                        "deployment) and/or 'thread' (the step loop in a thread of the replica, as before "
-                        "issue 14), each served and measured in turn")
+                   help="comma-separated: 'process' (the engine loop in a process of its own, the default "
+                        "deployment) and/or 'thread' (the engine loop in a thread of the replica's process, "
+                        "EngineConfig.engine_process false), each served and measured in turn")
     p.add_argument("--peer", choices=("vllm",), default=None,
                    help="also serve the same checkpoint with vLLM's CPU build (installed once into its own "
                         "environment under the model cache) and drive it with the same client and requests")
@@ -274,7 +274,7 @@ def _check_all_ok(name: str, results: list[RequestResult]) -> None:
 
 
 class Profiler:
-    """CPU seconds of the replica, its engine core, the ingress, the HTTP proxy and the client per
+    """CPU seconds of the replica, its engine process, the ingress, the HTTP proxy and the client per
     run, and (sample=True) py-spy on the first four, sampling without pausing them."""
 
     ROLES = {"replica": "LLMServer", "ingress": "OpenAIIngress", "proxy": "ProxyActor"}

@@ -25,12 +25,10 @@ Clock = Callable[[], float]
 
 @dataclass(slots=True)
 class HFContinuousOptions:
-    """What we pass to transformers' ContinuousBatchingConfig, tuned for the tiny default model on
-    2 CPU cores. The box is noisy (+-25% run to run), so only large gaps mean anything.
-    48 trace requests at t=0 (median of 3): sdpa with pages of 16 or 32 and 32-64 requests per
-    batch all gave 400-440 tok/s; paged|eager ~334. 200 requests at t=0 (single runs): pages of 32,
-    512 tokens, 32 requests 379 tok/s; pages of 16 with 32 requests 340, with 64 requests 270-290.
-    Larger batches lose here because HF's per-step mask and attention span the whole batch."""
+    """What we pass to transformers' ContinuousBatchingConfig, tuned for the tiny model on 2 CPU
+    cores (the tuning runs: docs/benchmarks.md, 'Engine: continuous vs static batching vs
+    transformers'). Larger batches lose because HF's per-step mask and attention span the whole
+    batch."""
 
     # "sdpa" or "paged|eager" are the CPU choices (flash needs CUDA). Either way HF CB builds one
     # dense (batch_tokens x (kv_read + batch_tokens)) mask per step; sdpa was faster.

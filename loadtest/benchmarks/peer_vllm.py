@@ -150,7 +150,7 @@ class VLLMServerConfig:
     # Cores the engine's OpenMP threads are pinned to; None: all cores this process may use.
     cpu_ids: tuple[int, ...] | None = None
     extra_args: tuple[str, ...] = ()
-    # Model load plus the CPU backend's warm-up compile take about 2 minutes on 2 cores.
+    # Model load plus the CPU backend's warm-up compile take minutes on a small CPU machine.
     startup_timeout_s: float = 600.0
     # After SIGTERM, how long the process group gets before SIGKILL.
     stop_grace_s: float = 30.0

@@ -66,8 +66,8 @@ class EngineProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         # The process shares the machine with the serving path (this process, the ingress, the HTTP
         # proxy). OpenMP workers that spin between parallel regions take the cores those need, and a
-        # region stalls whenever a spinning worker is descheduled: measured on the tiny model on 2
-        # cores, 16 streams served at 220 tok/s spinning and 326 tok/s passive (docs/benchmarks.md).
+        # region stalls whenever a spinning worker is descheduled; passive workers serve more tokens
+        # a second where cores are few (docs/benchmarks.md, 'The tiny model: where the step is short').
         # An explicit setting of the operator's wins.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self._process = subprocess.Popen(

@@ -2,8 +2,8 @@
 
 The engine owns a scheduler (pure Python) and a model runner (torch). Only the scheduler changes
 request state; the engine turns sampled tokens into outputs. Text is an OutputProcessor's job:
-used alone, the engine runs one after each step (`detokenize=True`); as the core of an
-AsyncLLMEngine it emits token ids only and the stream side makes the text (`detokenize=False`).
+used alone, the engine runs one after each step (`detokenize=True`); inside an AsyncLLMEngine's
+engine loop it emits token ids only and the stream side makes the text (`detokenize=False`).
 
 A step that raises fails only the requests that caused it (model_worker/engine/fault_isolation.py): they
 finish with finish_reason "error" and an `error` message, their half-written KV blocks leave the
@@ -112,7 +112,7 @@ class LLMEngine:
 
         `block_hashes` are the prompt's chained block hashes as the caller computed them (the
         ingress does, with the cache key, for its router): the prefix cache uses them as sent,
-        after check_block_hashes, instead of hashing the prompt again.
+        after RequestChecker.check_block_hashes, instead of hashing the prompt again.
 
         `resumed_token_ids` are output tokens another engine already produced for this request (the
         ingress migrates a request whose replica died): it continues after them exactly as a

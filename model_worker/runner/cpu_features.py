@@ -3,8 +3,8 @@
 bfloat16 pays on a CPU only with native bf16 instructions: AVX-512 BF16 (AMD Zen 4 and later,
 Intel Cooper Lake and later) or AMX (Intel Sapphire Rapids and later) on x86, the BF16 extension
 on Arm. Without them oneDNN emulates bf16 through float32 and a bf16 matmul is slower than a
-float32 one (2.4x slower on the AVX2-only EPYC of 2026-12-01, where the weights' half-size saved
-less than the conversions cost); with them it roughly halves the bytes a decode step reads.
+float32 one: the conversions cost more than the weights' half size saves (docs/benchmarks.md,
+'Step speed per dtype'); with them it roughly halves the bytes a decode step reads.
 """
 
 from __future__ import annotations

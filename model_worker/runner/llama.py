@@ -161,8 +161,9 @@ class LlamaDecoder:
     """Functional decoder: plain tensors and torch ops, no nn.Module bookkeeping in the hot loop.
 
     Below float32 (bfloat16, float16) the weights, matmuls and KV cache are in the model dtype,
-    and the numerically sensitive parts stay in float32, each a switch (measured one by one in
-    docs/benchmarks.md, `python -m loadtest.benchmarks.bench_agreement`):
+    and the numerically sensitive parts stay in float32, each a switch (each measured alone by
+    `python -m loadtest.benchmarks.bench_agreement`: docs/benchmarks.md, 'bfloat16 numerics:
+    greedy agreement with transformers'):
     - `fp32_residual`: the residual stream between layers, so rounding does not pile up over 30
       layers of additions; each layer reads a normed copy in the model dtype.
     - `fp32_rotary`: cos/sin tables and the rotation of q and k, rounded once afterwards.

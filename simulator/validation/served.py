@@ -190,10 +190,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="fewer requests: 10 min here, against 23 min for the full run; its TTFT p99 of 72 "
                         "multi-turn requests and p50 of a 60-s step are small samples (docs/simulator.md)")
-    # 100 ms: a padded step is 10-20x the tiny model's decode forward at one thread, and with
-    # max_num_batched_tokens 256 a prompt chunk's forward is 30-55 ms, so 3 replicas on 2 cores are
-    # paced by the pad. (At 50 ms and 512-token chunks the first run was CPU-bound at 3 replicas:
-    # real TPOT 2-8x the pad, no sim of independent replicas can follow that.)
+    # 100 ms, with 256-token chunks: the pad stays well above the tiny model's real forward (a
+    # decode at one thread, or a prompt chunk of max_num_batched_tokens), so 3 replicas on 2 cores
+    # are paced by the pad, not by the CPU they share. Replicas that are CPU-bound slow one another,
+    # which no simulation of independent replicas can follow.
     p.add_argument("--pad", type=float, default=0.1, help="emulated_step_time_s, seconds")
     p.add_argument("--chunk-tokens", type=int, default=256, help="max_num_batched_tokens of every replica")
     p.add_argument("--trace-rate", type=float, default=0.8, help="Azure-trace req/s per replica")

@@ -1,6 +1,6 @@
-"""The engine core in its own process (issue 14), on the tiny model: the same tokens and text as
-the engine alone, stop strings cut exactly there, and no fault of the core (killed, failing to
-load) or of its parent (killed) leaves a stream waiting or a process behind."""
+"""The engine loop in a process of its own, on the tiny model: the same tokens and text as the
+engine alone, stop strings cut exactly there, and no fault of the engine process (killed, failing
+to load) or of its parent (killed) leaves a stream waiting or a process behind."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_stats_and_prefix_reset_are_answered_by_the_core(engine):
     async def main():
         stats = await engine.stats(include_block_hashes=True)
         assert stats.num_total_kv_blocks == 256 and isinstance(stats.cached_block_hashes, tuple)
-        # The changes since a cache_seq cross from the core process instead of every hash.
+        # The changes since a cache_seq cross from the engine process instead of every hash.
         delta = await engine.stats(include_block_hashes=True, block_hashes_since=stats.cache_seq)
         assert delta.block_hashes_since == stats.cache_seq and delta.cached_block_hashes is None
         assert delta.stored_block_hashes == delta.removed_block_hashes == ()

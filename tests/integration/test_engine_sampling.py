@@ -85,9 +85,10 @@ async def _text(engine: AsyncLLMEngine, prompt: str, params: SamplingParams) -> 
 
 
 def test_numerically_extreme_parameters_never_reach_a_step_as_nan(model_path):
-    """Regression (issue 11, defect 2 and 9): `top_p: 1e-300` rounded to 0 in float32 and made the
-    sampler index -1, killing the engine with every request batched beside it; `temperature:
-    1e-300` divided the logits by a float32 zero and silently returned token 0."""
+    """Values a float32 step cannot represent never reach it as a zero or a NaN: `top_p: 1e-300`
+    rounds to 0 in float32, which would make the sampler index -1 and fail every request batched
+    beside it, and `temperature: 1e-300` would divide the logits by a float32 zero and silently
+    give token 0. Each behaves as its limit (the top token alone, greedy)."""
     engine = LLMEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=256))
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     reference = generate_all(engine, {"g": ("Tiny values", greedy)})["g"]
@@ -104,7 +105,7 @@ def test_numerically_extreme_parameters_never_reach_a_step_as_nan(model_path):
 
 
 def test_a_step_that_raises_on_one_request_fails_only_that_request(model_path):
-    """The real runner, with a sampler that raises on one request's row (as the top_p bug did):
+    """The real runner, with a sampler that raises on one request's row (as an index of -1 would):
     that request fails with the error, the others in its batch produce their solo tokens, and the
     engine goes on serving."""
     engine = LLMEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=256))

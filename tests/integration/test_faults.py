@@ -1,5 +1,5 @@
-"""Faults on a real local Ray (issue 11): replicas killed, frozen, or left with a dead engine, and
-the request shapes that took the service down. Each test asserts what clients saw.
+"""Faults on a real local Ray: replicas killed, frozen, or left with a dead engine, and request
+shapes that could take the service down. Each test asserts what clients see.
 
 One application (two LLMServer replicas, engine steps padded to 50 ms so that streams last a few
 seconds) serves the module; after a test that hurt a replica, the next waits until Serve has
@@ -108,8 +108,8 @@ async def stream_text(base: str, body: dict) -> tuple[str, dict | None, list[dic
 
 
 def test_every_ray_listener_is_on_loopback(app):
-    """Regression (defect 6): `iterserve serve` left the GCS, raylet, workers and agents on every
-    interface; anyone on the network could run code through them."""
+    """Every listener of `iterserve serve`'s Ray (the GCS, raylet, workers, agents and proxy) is on
+    loopback: on any other interface, anyone on the network could run code through them."""
     listeners = _listening_sockets()
     ray_listeners = [(name, address) for pid, name, address in listeners
                      if _is_ray_process(name) or pid == os.getpid()]  # this driver's core worker too
@@ -120,8 +120,8 @@ def test_every_ray_listener_is_on_loopback(app):
 
 
 def test_a_completions_request_with_several_prompts_completes(app, client):
-    """Regression (defect 1): two or more prompts in one request hung forever, and two such requests
-    per replica froze the whole service."""
+    """Two or more prompts in one request complete, unary, streamed and over the handle, and more
+    such requests at once than there are replicas neither hang nor freeze the service."""
     for prompt in (["first prompt", "second prompt", "third"], [[5, 6, 7], [8, 9, 10, 11]]):
         unary = client.post("/v1/completions", json=greedy_body(prompt, 6))
         assert unary.status_code == 200, unary.text
@@ -145,7 +145,8 @@ def test_a_completions_request_with_several_prompts_completes(app, client):
 
 
 def test_idle_and_slow_connections_are_closed_and_others_served(app, client):
-    """Regression (defect 8): 1,300 idle or slowly-sending connections were held indefinitely."""
+    """Idle and slowly-sending connections are closed at the header or body deadline, never held
+    indefinitely, and other clients are served meanwhile."""
     import socket
 
     host, port = app.base.removeprefix("http://").split(":")
@@ -195,8 +196,9 @@ def _read_until_closed(sock, deadline_s: float) -> bytes:
 
 
 def test_hostile_requests_get_a_4xx_and_harm_nobody(app, client):
-    """Regression (defects 2, 7, 9) over real HTTP: values that killed the engine, a 10 MB prompt,
-    lone surrogates and huge stop lists, sent beside ordinary requests."""
+    """Over real HTTP, beside ordinary requests: sampling values a float32 step cannot represent are
+    served as their limits, and a 10 MB prompt, lone surrogates and a huge stop list get a 400;
+    no other request is harmed and the service stays healthy."""
     poison = [{"prompt": "x", "max_tokens": 8, "top_p": 1e-300, "temperature": 0.7},
               {"prompt": "x", "max_tokens": 8, "temperature": 1e-300, "top_p": 0.5}]
 
@@ -232,7 +234,7 @@ def test_a_cancellation_storm_leaves_every_replica_idle(app, client):
     settle_s, stats = cancel_storm.settle(30, APP)
     assert settle_s is not None, stats
     assert client.post("/v1/completions", json=greedy_body("after the storm", 4)).status_code == 200
-    # Regression (defect 9): each hang-up logged a traceback in the ingress.
+    # No hang-up logs a traceback in the ingress.
     assert _log_count("Task exception was never retrieved") == unretrieved_before
 
 
@@ -249,10 +251,10 @@ def test_fuzzing_the_api_gets_no_5xx(app, client):
 
 
 def test_a_request_that_cannot_get_a_first_token_in_time_gets_503(app, client):
-    """Regression (defect 9): requests admitted under overload waited with no response at all.
-    96 long requests (short distinct prompts: routed by load alone) take every seat of both
-    replicas (2 x 32) and queue beyond; later requests wait too, and get 503 queue_timeout with
-    Retry-After once QUEUE_TIMEOUT_S passes, while the seated ones finish."""
+    """A request admitted under overload that gets no first token in time gets 503, never a wait
+    with no response at all. 96 long requests (short distinct prompts: routed by load alone) take
+    every seat of both replicas (2 x 32) and queue beyond; later requests wait too, and get 503
+    queue_timeout with Retry-After once QUEUE_TIMEOUT_S passes, while the seated ones finish."""
     wait_healthy(client)
 
     async def flood():
@@ -260,7 +262,7 @@ def test_a_request_that_cannot_get_a_first_token_in_time_gets_503(app, client):
             seated = [asyncio.ensure_future(c.post("/v1/completions", json=greedy_body(f"long {i}", 200)))
                       for i in range(96)]
             # Every long request holds a seat or waits in an engine before the late ones come: a
-            # fixed sleep raced the path on a loaded machine (one late request got a seat).
+            # fixed sleep would race the path on a loaded machine (a late request could get a seat).
             await _until_engines_hold(c, 96, timeout_s=30.0)
             started_s = time.monotonic()
             late = await asyncio.gather(*(c.post("/v1/completions", json=greedy_body("late", 4)) for _ in range(4)))
@@ -277,7 +279,8 @@ def test_a_request_that_cannot_get_a_first_token_in_time_gets_503(app, client):
 
 
 def test_health_and_metrics_answer_from_the_replicas_that_reply(app, client):
-    """Regression (defect 5): one slow replica made /health and /metrics report zero ready replicas."""
+    """/health and /metrics answer from the replicas that reply: one frozen replica is counted as
+    unresponsive and never holds the answer back or makes the others look unready."""
     wait_healthy(client)
     victim = next(iter(replica_pids(app).values()))
     os.kill(victim, signal.SIGSTOP)
@@ -297,11 +300,11 @@ def test_health_and_metrics_answer_from_the_replicas_that_reply(app, client):
 
 
 def test_a_replica_whose_engine_stopped_fails_no_request(app, client):
-    """Regression (defect 3): a replica whose engine died kept getting traffic for ~21 s and 39% of
-    requests got 503; now its refusals are retried elsewhere and Serve replaces it in seconds."""
+    """A replica whose engine stopped fails no request: its refusals are retried on another replica,
+    and Serve replaces it in seconds."""
     wait_healthy(client)
     llm = app.serve.get_deployment_handle("LLMServer", APP)
-    llm.options(method_name="shutdown").remote().result(timeout_s=30)  # one replica's engine core stops; its process lives
+    llm.options(method_name="shutdown").remote().result(timeout_s=30)  # one replica's engine stops; its process lives
 
     async def traffic():
         async with httpx.AsyncClient(base_url=app.base, timeout=CLIENT_TIMEOUT_S) as c:
@@ -315,10 +318,9 @@ def test_a_replica_whose_engine_stopped_fails_no_request(app, client):
 
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
 def test_streams_survive_their_replica_dying_or_freezing(app, client, fault):
-    """Regression (defect 4): SIGKILL of a replica gave each of its streams an error event, and
-    SIGSTOP hung them with no bytes and no error. Now every stream is resumed on the other replica
-    and the client's text is exactly the fault-free text (greedy), with usage counting each token
-    once."""
+    """When a replica is killed (SIGKILL) or frozen (SIGSTOP) mid-stream, none of its streams gets an
+    error event or hangs: every stream is resumed on the other replica, the client's text is exactly
+    the fault-free text (greedy), and usage counts each token once."""
     wait_healthy(client)
     bodies = [greedy_body(f"Stream {i} keeps going while replicas fail,", 60) for i in range(8)]
     reference = [client.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]

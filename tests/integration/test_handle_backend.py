@@ -283,8 +283,8 @@ class _Reply:
 
 
 def test_health_is_cached_and_concurrent_probes_share_one_broadcast():
-    """Regression (defect 9): /health ran a broadcast to every replica per call, an
-    unauthenticated amplifier."""
+    """/health answers from a cached result, and concurrent probes share one broadcast: a broadcast
+    to every replica per call would make it an unauthenticated amplifier."""
     from tests.unit.fakes import FakeClock
 
     clock = FakeClock()

@@ -448,8 +448,8 @@ def test_decode_groups_cut_padding_and_keep_every_row():
 
 @pytest.mark.parametrize("path", ["cpu", "cuda"])
 def test_top_p_that_rounds_to_zero_keeps_the_top_token(path):
-    """Regression: with top_p 0 in float32 no token passed the cut and the threshold's gather
-    indexed -1 (IndexError in the engine thread)."""
+    """A top_p that rounds to 0 in float32 keeps the top token: with no token past the cut, the
+    threshold's gather would index -1 (an IndexError in the engine)."""
     from model_worker.runner.sampler import _apply_top_p, _apply_top_p_sorted
 
     apply = _apply_top_p if path == "cpu" else _apply_top_p_sorted

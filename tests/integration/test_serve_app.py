@@ -25,9 +25,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 ADMISSION = {"max_waiting_requests": 16, "batch_shed_fraction": 0.125, "retry_after_s": 2.0}
 # The ingress sheds batch by predicted wait (tests/unit/autoscaler/test_admission.py,
 # tests/unit/deployments/test_ingress_admission.py): off here, so that the replicas' backstop above
-# is what these tests see. With it on, a burst that raised the recent TTFT past 0.5 s shed every
-# batch request of the next test at the ingress (CI, 2026-12-01: 24 of 24 refused, none reaching a
-# replica).
+# is what these tests see. With it on, a burst that raises the recent TTFT past 0.5 s sheds the
+# batch requests of the next test at the ingress, before any reaches a replica (docs/benchmarks.md,
+# 'Autoscaling and admission: step load and overload').
 INGRESS_ADMISSION = {"batch_max_wait_s": 1e9}
 
 

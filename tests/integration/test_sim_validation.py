@@ -4,17 +4,17 @@ The step-time profile is measured here, on the machine the test runs on (a shipp
 describes the machine it was measured on), from the tiny model's runner: a quick grid of step
 shapes and the steps of a short real run of other requests. The engine and the simulator then
 serve the same Azure-trace requests, and the simulated TTFT p50 and TPOT p50 must be within 40% of
-the real ones, and throughput within 10%. The bound is wide because the real side is noisy: on the
-2-core development VM three runs of the same 100 real requests put the engine's TPOT p50 at 8.5 to
-11.6 ms (docs/simulator.md), while the simulation is deterministic. It still fails a simulator
-that is off by a factor, or whose steps, batching or admission differ from the engine's.
+the real ones, and throughput within 10%. The bound is wide because the real engine's TPOT moves
+from run to run on a small shared machine while the simulation is deterministic (docs/simulator.md,
+'Validation against the real engine'). It still fails a simulator that is off by a factor, or
+whose steps, batching or admission differ from the engine's.
 
-The development VM's speed also drifts, by up to 2x within an hour: one CI run measured the
-profile, then ran the real engine at a real TPOT p50 of 17.9 ms against the 8.0 ms that profile
-predicts. So an attempt measures the profile again right before its real run, and the test makes
-at most ATTEMPTS of them: it passes on the first attempt within every bound and fails when none is.
-A simulator that is wrong is wrong in every attempt; a machine that changed speed mid-attempt
-rarely does so three times running.
+A shared machine's speed also drifts, by up to 2x within an hour (docs/simulator.md, 'Scale'), so
+a profile measured minutes before a real run can predict a TPOT half the real one. So an attempt
+measures the profile again right before its real run, and the test makes at most ATTEMPTS of them:
+it passes on the first attempt within every bound and fails when none is. A simulator that is
+wrong is wrong in every attempt; a machine that changed speed mid-attempt rarely does so three
+times running.
 """
 
 from __future__ import annotations

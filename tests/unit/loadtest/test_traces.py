@@ -133,8 +133,8 @@ def test_workload_is_reproducible_and_sorted_by_arrival():
 
 
 def test_the_trace_ships_with_the_package():
-    """Regression (defect 10): `iterserve bench --workload trace` read the trace from a folder next
-    to the repository, and died with a raw traceback without it."""
+    """The trace ships inside the package (loadtest/data/, with its licence), so `iterserve bench
+    --workload trace` needs no folder next to the repository."""
     path = default_trace_path()
     assert "loadtest" in path.parts and path.name == "azure_llm_2023_conv.csv"
     rows = load_azure_trace(path)

@@ -122,7 +122,7 @@ def test_text_streams_and_stop_string_ends_request():
 
 
 def test_tokens_the_core_made_after_a_stop_string_never_reach_the_consumer():
-    """The stream side finds stop strings, so the core steps on until the stop reaches it. A loop
+    """The stream side finds stop strings, so the engine loop steps on until the stop reaches it. A loop
     that falls behind (blocked here for 20 steps) must still see the text, tokens, counts and token
     times end exactly at the stop, as the engine alone would have ended them."""
     tokenizer = ByteTokenizer()
@@ -135,7 +135,7 @@ def test_tokens_the_core_made_after_a_stop_string_never_reach_the_consumer():
         tokens, text, last = [], "", None
         async for out in engine.generate("go", greedy(60, stop=["<END>"]), request_id="late"):
             if not tokens:
-                time.sleep(0.1)  # the loop is busy: the core runs ahead of the consumer
+                time.sleep(0.1)  # the event loop is busy: the engine loop runs ahead of the consumer
             tokens += out.token_ids
             text += out.text
             last = out

@@ -1,4 +1,4 @@
-"""A step that raises fails only the requests that caused it (issue 11, defect 2).
+"""A step that raises fails only the requests that caused it.
 
 The real scheduler, block pool and engine over FakeKVRunner, whose tokens depend on every KV slot
 it reads: a survivor that read a half-written block, or a later request that hit one in the

@@ -1,5 +1,5 @@
 """Routing that does not visit every replica: PrefixIndex.hits against leading_hits per replica,
-the policies over a ReplicaTable against the loop over snapshots they replaced, and the block
+the policies over a ReplicaTable against a plain loop over snapshots, and the block
 pool that makes its blocks on first use."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from router.prefix_index import PrefixIndex
 
 
 def reference_prefix_aware(config: RouterConfig, rng: random.Random, replicas, hits, num_blocks, blocks_needed):
-    """PrefixAware._choose as a loop over snapshots, as it was before ReplicaTable."""
+    """PrefixAware._choose as a plain loop over snapshots: the reference its ReplicaTable form must
+    agree with."""
     loads = [r.load for r in replicas]
     if max(loads) - min(loads) > config.imbalance_threshold:
         low = min(loads)
