@@ -228,10 +228,10 @@ class LLMServer:
         """Serve restarts a replica whose health check raises: an engine loop that stopped, or
         one that has not begun a step for engine_hung_s."""
         if not self.engine.is_running:
-            raise RuntimeError(f"the engine core on replica {self.replica_id} has stopped")
+            raise RuntimeError(f"the engine on replica {self.replica_id} has stopped")
         stalled_s = self.engine.seconds_since_alive()
         if stalled_s > self.engine_hung_s:
-            raise RuntimeError(f"the engine core on replica {self.replica_id} has not begun a step for "
+            raise RuntimeError(f"the engine loop on replica {self.replica_id} has not begun a step for "
                                f"{stalled_s:.0f} s")
 
     async def ready(self) -> dict[str, Any]:

@@ -82,8 +82,8 @@ def report_traffic_figure(routing: dict[str, Any]) -> Figure:
     x = range(len(counts))
     full = [routing[str(n)]["report_bytes_per_replica_s_full"] / 1e3 for n in counts]
     delta = [routing[str(n)]["report_bytes_per_replica_s_delta"] / 1e3 for n in counts]
-    ax.bar([i - 0.2 for i in x], full, width=0.4, label="a snapshot every report (before)")
-    ax.bar([i + 0.2 for i in x], delta, width=0.4, label="deltas, a snapshot every 60th (now)")
+    ax.bar([i - 0.2 for i in x], full, width=0.4, label="a snapshot every report")
+    ax.bar([i + 0.2 for i in x], delta, width=0.4, label="deltas, a snapshot every 60th (the default)")
     ax.set_xticks(list(x), [f"{n} replicas" for n in counts])
     ax.set_ylabel("report bytes per replica per second (KB)")
     ax.grid(True, axis="y", alpha=0.3)

@@ -156,7 +156,7 @@ def test_the_core_exits_when_its_parent_is_killed(config):
         deadline_s = time.monotonic() + 10
         while _alive(core_pid) and time.monotonic() < deadline_s:
             time.sleep(0.1)
-        assert not _alive(core_pid), "the engine core outlived the process it served"
+        assert not _alive(core_pid), "the engine process outlived the process it served"
     finally:
         parent.kill()
 
