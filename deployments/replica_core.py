@@ -44,7 +44,6 @@ class AdmittedRequest:
     # Continues another replica's output (migrated by the ingress): its first token here is no
     # time to first token.
     resumed: bool
-    first_token_seen: bool = False
 
 
 class ReplicaCore:
@@ -88,10 +87,9 @@ class ReplicaCore:
         return AdmittedRequest(request_id, ticket, resumed)
 
     def first_token(self, request: AdmittedRequest) -> None:
-        """The request's first output token came (called once; later calls do nothing)."""
-        if not request.first_token_seen:
-            request.first_token_seen = True
-            request.ticket.first_token(sample=not request.resumed)
+        """The request's first output token came (later calls, and calls after finished(), do
+        nothing: the ticket leaves the queue once)."""
+        request.ticket.first_token(sample=not request.resumed)
 
     def finished(self, request: AdmittedRequest) -> None:
         """The request ended for any reason (done, refused by the engine, failed, cancelled)."""

@@ -189,8 +189,8 @@ class SimReplica:
         counters.steps += 1
         counters.tokens += len(progressed)
         now = self.loop.now
-        for request_id, failed in update.failed.items():
-            self._failed(request_id, failed.error or "the step failed")
+        if update.failed:  # the simulated runner never raises: a failure here is the simulator's own bug
+            raise RuntimeError(f"simulated steps cannot fail, yet {sorted(update.failed)} did")
         # First tokens: a pass over the few requests still waiting for one, not over every token.
         firsts = [request for request in self._awaiting_first.values() if request.timings.first_token_s is not None]
         for request in firsts:
@@ -199,8 +199,7 @@ class SimReplica:
             sim.result.first_token_s = now
             counters.prompt_tokens += request.num_prompt_tokens
             counters.cached_tokens += max(request.num_cached_tokens, 0)
-            if sim.admitted is not None:
-                self.core.first_token(sim.admitted)
+            self.core.first_token(sim.admitted)
         if self.record_token_times:
             requests = self._requests
             for request in progressed:
@@ -211,20 +210,9 @@ class SimReplica:
             result.status, result.finish_s = 200, now
             result.output_tokens = request.num_output_tokens
             counters.preemptions += request.num_preemptions
-            if sim.admitted is not None:
-                self.core.finished(sim.admitted)
+            self.core.finished(sim.admitted)
             self.events.on_done(sim)
         self._step()
-
-    def _failed(self, request_id: str, error: str) -> None:
-        """A request the engine failed on (the simulated runner never raises: kept for a runner that does)."""
-        self._awaiting_first.pop(request_id, None)
-        sim = self._requests.pop(request_id, None)
-        if sim is None:
-            return
-        if sim.admitted is not None:
-            self.core.finished(sim.admitted)
-        self._end(sim, 500, error)
 
     # ---- reports ----------------------------------------------------------------------------
 
