@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from model_worker.checkpoints.model_cache import build_once, cache_root
+from model_worker.checkpoints.model_cache import build_key, build_once, cache_root
 
 # Bump when the conversion writes anything differently.
 CONVERTER_VERSION = 1
@@ -28,13 +28,14 @@ _EOS_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "
 
 def gguf_checkpoint_path(gguf_file: str | Path, cache_dir: str | None = None) -> str:
     """The Hugging Face checkpoint converted from `gguf_file`, converting it first if needed.
-    The directory is named by the file's stem and contents, so the same file reached by any path
-    (the embedded default, or its path given as --model) is converted once."""
+    The directory is named by the file's stem and contents (and the converting libraries'
+    versions), so the same file reached by any path (the embedded default, or its path given as
+    --model) is converted once."""
     source = Path(gguf_file)
     if not source.is_file():
         raise ValueError(f"GGUF file {source} does not exist")
     digest = _file_digest(source)
-    target = cache_root(cache_dir) / f"{source.stem}-v{CONVERTER_VERSION}-{digest[:16]}"
+    target = cache_root(cache_dir) / f"{source.stem}-v{CONVERTER_VERSION}-{build_key(digest)[:16]}"
     return str(build_once(target, lambda out: convert_gguf(source, out, digest)))
 
 

@@ -2,24 +2,47 @@
 
 A checkpoint directory only ever appears by the rename of a finished build, made under a file
 lock, so concurrent replicas never see or produce a half-written one, and a crashed build leaves
-at most a staging directory that the next build replaces.
+at most a staging directory that the next build replaces. A directory's name carries `build_key`:
+its inputs and the versions of the libraries that wrote it, so an upgraded library builds afresh
+instead of serving files another version wrote.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 
 CACHE_DIR_ENV = "ITERSERVE_CACHE_DIR"
+# What a build writes depends on these: transformers writes its version into config.json and
+# reads GGUF, tokenizers trains the tiny model's vocabulary, torch draws its seeded weights,
+# safetensors lays out the weight file, gguf dequantises.
+BUILD_LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "gguf")
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
     """The argument, else $ITERSERVE_CACHE_DIR, else ~/.cache/iterserve."""
     return Path(cache_dir or os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "iterserve")
+
+
+def build_key(*inputs: str) -> str:
+    """Hex digest of a build's inputs and the installed versions of BUILD_LIBRARIES."""
+    sha = hashlib.sha256()
+    for part in (*inputs, *(f"{name}=={library_version(name)}" for name in BUILD_LIBRARIES)):
+        sha.update(part.encode("utf-8") + b"\0")
+    return sha.hexdigest()
+
+
+def library_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
 
 
 def is_complete(path: Path) -> bool:

@@ -8,9 +8,9 @@ later call finds it in the cache. It loads through the same loader as any real c
 weights are random, so its text is gibberish: the embedded default model, the one that answers,
 is SmolLM2 (model_worker/checkpoints/models.py).
 
-The cache subdirectory is named by BUILDER_VERSION and a hash of the generated corpus, so
-changing either (the generator, its seed, its word lists) builds a fresh checkpoint instead of
-reusing a stale one (model_worker/checkpoints/model_cache.py builds it atomically, under a lock).
+The cache subdirectory is named by BUILDER_VERSION and a hash of the generated corpus and the
+libraries' versions, so changing any of them (the generator, its seed, its word lists, an upgraded
+transformers) builds a fresh checkpoint instead of reusing a stale one (model_worker/checkpoints/model_cache.py builds it atomically, under a lock).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from model_worker.checkpoints.model_cache import build_once, cache_root
+from model_worker.checkpoints.model_cache import build_key, build_once, cache_root
 from model_worker.checkpoints.tiny_corpus import tiny_corpus
 
 # Bump when anything below changes the built checkpoint (tokenizer, shapes, init, files).
@@ -57,8 +57,9 @@ def tiny_model_path(cache_dir: str | None = None) -> str:
 
 
 def cache_dir_name(corpus: str) -> str:
-    """The checkpoint's directory in the cache: a new one for every builder version and corpus."""
-    return f"tiny-llama-v{BUILDER_VERSION}-{_corpus_digest(corpus)[:12]}"
+    """The checkpoint's directory in the cache: a new one for every builder version, corpus and
+    version of the libraries that write it."""
+    return f"tiny-llama-v{BUILDER_VERSION}-{build_key(_corpus_digest(corpus))[:12]}"
 
 
 def _corpus_digest(corpus: str) -> str:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import string
 from pathlib import Path
 
+import pytest
+
+from model_worker.checkpoints import model_cache
+from model_worker.checkpoints.model_cache import BUILD_LIBRARIES
 from model_worker.checkpoints.tiny_corpus import tiny_corpus
 from model_worker.checkpoints.tiny_model import BUILDER_VERSION, cache_dir_name
 
@@ -36,3 +40,15 @@ def test_another_corpus_or_builder_version_is_another_cache_directory():
     assert cache_dir_name(corpus) == cache_dir_name(tiny_corpus())
     assert cache_dir_name(corpus) != cache_dir_name(corpus + " ")
     assert cache_dir_name(corpus).startswith(f"tiny-llama-v{BUILDER_VERSION}-")
+
+
+@pytest.mark.parametrize("library", BUILD_LIBRARIES)
+def test_another_version_of_a_library_that_writes_the_checkpoint_is_another_cache_directory(library, monkeypatch):
+    """transformers writes its version into config.json, torch draws the seeded weights: a cache
+    built under other versions would hand back files this install never writes."""
+    corpus = tiny_corpus()
+    before = cache_dir_name(corpus)
+    installed = model_cache.library_version
+    monkeypatch.setattr(model_cache, "library_version",
+                        lambda name: "0.0.1-other" if name == library else installed(name))
+    assert cache_dir_name(corpus) != before
