@@ -250,6 +250,10 @@ class LlamaDecoder:
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
         return weight * x32.to(weight.dtype)
 
+    def lm_head_read_per_step(self) -> torch.Tensor:
+        """The LM head a forward reads: its float32 copy under fp32_logits, else the model's."""
+        return self._float32_lm_head() if self.fp32_logits else self.weights.lm_head
+
     def _float32_lm_head(self) -> torch.Tensor:
         if self._lm_head32 is None:
             self._lm_head32 = self.weights.lm_head.float()
