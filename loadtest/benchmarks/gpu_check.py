@@ -449,7 +449,8 @@ def weight_bytes(runner: TorchModelRunner) -> tuple[int, int]:
     for layer in w.layers:
         tensors += [t for t in (layer.input_norm, layer.qkv_proj, layer.qkv_bias, layer.o_proj, layer.o_bias,
                                 layer.post_attention_norm, layer.gate_up_proj, layer.down_proj) if t is not None]
-    unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+    # Packed (oneDNN, on CPU) tensors have no data pointer and are never shared: keyed by identity.
+    unique = {(id(t) if t.is_mkldnn else t.data_ptr()): t.numel() * t.element_size() for t in tensors}
     embed_bytes = 0 if runner.spec.tie_word_embeddings else w.embed_tokens.numel() * w.embed_tokens.element_size()
     total = sum(unique.values())
     return total, total - embed_bytes

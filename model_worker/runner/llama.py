@@ -9,12 +9,14 @@ load time. Logits are computed only for the rows the sampler needs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from model_worker.runner import linear as packed
 from model_worker.runner.attention.base import AttentionBackend
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -139,6 +141,9 @@ def compute_rope_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tenso
 
 @dataclass(slots=True)
 class LayerWeights:
+    """One layer's tensors. The decoder may hold the four matrices packed for oneDNN instead
+    (model_worker/runner/linear.py): opaque tensors that only its linear reads."""
+
     input_norm: torch.Tensor  # (hidden,)
     qkv_proj: torch.Tensor  # (q_size + 2 * kv_size, hidden): q, k, v stacked
     qkv_bias: torch.Tensor | None  # (q_size + 2 * kv_size,)
@@ -172,10 +177,14 @@ class LlamaDecoder:
       upcast, as vLLM does).
     RMSNorm statistics are always float32, and attention's softmax accumulates in float32 inside
     the attention kernels.
+
+    On CPU the matrices of every layer and the LM head are packed once for oneDNN
+    (model_worker/runner/linear.py) where it runs the dtype, unless `pack_weights` is False; the
+    layers' plain copies are then dropped, the embedding table (the tied head) kept.
     """
 
     def __init__(self, spec: DecoderSpec, weights: DecoderWeights, attention: AttentionBackend,
-                 max_model_len: int) -> None:
+                 max_model_len: int, pack_weights: bool = True) -> None:
         self.spec = spec
         self.weights = weights
         self.attention = attention
@@ -195,13 +204,17 @@ class LlamaDecoder:
         self.sin_table32 = (emb.sin() * spec.rope_attention_scaling).to(device=device)
         self.cos_table = self.cos_table32.to(dtype)
         self.sin_table = self.sin_table32.to(dtype)
-        self._lm_head32: torch.Tensor | None = None
         self._norm32 = weights.norm.float()
-        if self.fp32_logits:
-            self._float32_lm_head()  # now, so the memory profile sees it
         # F.rms_norm is one fused op; transformers normalises in float32 and casts back, which only
         # differs from it below float32.
         self._fused_norm = dtype == torch.float32
+        self.packed = pack_weights and packed.packs(device.type, dtype)
+        self._linear = packed.linear if self.packed else F.linear
+        # The LM head the forward reads: made now, so the memory profile sees it.
+        head = weights.lm_head.float() if self.fp32_logits else weights.lm_head
+        self._head = packed.pack(head) if self.packed else head
+        if self.packed:
+            self.weights = dataclasses.replace(weights, layers=[_packed_layer(layer) for layer in weights.layers])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attn_metadata: Any, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -218,15 +231,16 @@ class LlamaDecoder:
         hidden = hidden[logits_indices]  # the final norm is per row, so only sampled rows need it
         if self.fp32_logits:
             normed = F.rms_norm(hidden.float(), self._norm32.shape, self._norm32, self.spec.rms_norm_eps)
-            return F.linear(normed, self._float32_lm_head())
-        return F.linear(self._rms_norm(hidden, weights.norm), weights.lm_head).float()
+            return self._linear(normed, self._head)
+        return self._linear(self._rms_norm(hidden, weights.norm), self._head).float()
 
     def _layer(self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         spec = self.spec
         num_tokens = hidden.shape[0]
         normed = self._rms_norm(hidden, layer.input_norm)
-        qkv = F.linear(normed, layer.qkv_proj, layer.qkv_bias)  # (T, q_size + 2 * kv_size)
+        linear = self._linear
+        qkv = linear(normed, layer.qkv_proj, layer.qkv_bias)  # (T, q_size + 2 * kv_size)
         # q and k are rotated together: (T, num_heads + num_kv_heads, head_dim).
         qk = qkv[:, : spec.q_size + spec.kv_size].view(num_tokens, spec.num_heads + spec.num_kv_heads, spec.head_dim)
         if cos.dtype != qk.dtype:
@@ -236,10 +250,10 @@ class LlamaDecoder:
         k = qk[:, spec.num_heads:]
         v = qkv[:, spec.q_size + spec.kv_size:].view(num_tokens, spec.num_kv_heads, spec.head_dim)
         attn = self.attention.forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale)  # (T, num_heads, head_dim)
-        hidden = hidden + F.linear(attn.reshape(num_tokens, spec.q_size), layer.o_proj, layer.o_bias)
+        hidden = hidden + linear(attn.reshape(num_tokens, spec.q_size), layer.o_proj, layer.o_bias)
         normed = self._rms_norm(hidden, layer.post_attention_norm)
-        gate, up = F.linear(normed, layer.gate_up_proj).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, layer.down_proj)
+        gate, up = linear(normed, layer.gate_up_proj).chunk(2, dim=-1)
+        return hidden + linear(F.silu(gate) * up, layer.down_proj)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm with float32 statistics; the result is in the model dtype, whatever x's dtype
@@ -251,13 +265,14 @@ class LlamaDecoder:
         return weight * x32.to(weight.dtype)
 
     def lm_head_read_per_step(self) -> torch.Tensor:
-        """The LM head a forward reads: its float32 copy under fp32_logits, else the model's."""
-        return self._float32_lm_head() if self.fp32_logits else self.weights.lm_head
+        """The LM head a forward reads: its float32 copy under fp32_logits, else the model's;
+        packed for oneDNN where the layers are."""
+        return self._head
 
-    def _float32_lm_head(self) -> torch.Tensor:
-        if self._lm_head32 is None:
-            self._lm_head32 = self.weights.lm_head.float()
-        return self._lm_head32
+
+def _packed_layer(layer: LayerWeights) -> LayerWeights:
+    return dataclasses.replace(layer, qkv_proj=packed.pack(layer.qkv_proj), o_proj=packed.pack(layer.o_proj),
+                               gate_up_proj=packed.pack(layer.gate_up_proj), down_proj=packed.pack(layer.down_proj))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,26 @@ def test_tiny_model_chunked_logits_match_transformers(runner, tiny_model_dir, pr
     torch.testing.assert_close(torch.cat(chunks), hf_logits(tiny_model_dir, prompt), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("dtype, atol", [("float32", ATOL), ("bfloat16", 0.1)])
+def test_weights_packed_for_onednn_give_the_logits_of_plain_weights(tiny_model_dir, prompt, dtype, atol, monkeypatch):
+    """The CPU decoder packs its matrices for oneDNN where it can; a mixed step (a prompt chunk
+    beside two decodes) then gives the logits of the same decoder over plain weights and F.linear."""
+    from model_worker.runner import linear
+
+    packed_runner = make_runner(tiny_model_dir, dtype=dtype)
+    if not packed_runner.model.packed:
+        pytest.skip(f"oneDNN does not run {dtype} on this CPU")
+    monkeypatch.setattr(linear, "packs", lambda device_type, dtype: False)
+    plain_runner = make_runner(tiny_model_dir, dtype=dtype)
+    assert not plain_runner.model.packed
+    batch = step(seq("a", prompt[:5], 0, [1]), seq("b", prompt[:9], 0, [2]), seq("c", prompt[:20], 0, [3, 4]))
+    for one in (packed_runner, plain_runner):
+        one.compute_logits(batch)
+    mixed = step(seq("a", prompt[5:6], 5, [1]), seq("b", prompt[9:10], 9, [2]), seq("d", prompt[:12], 0, [5]))
+    torch.testing.assert_close(packed_runner.compute_logits(mixed, all_tokens=True),
+                               plain_runner.compute_logits(mixed, all_tokens=True), atol=atol, rtol=0)
+
+
 def _save_tiny(tmp_path, config, tokenizer_dir: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -475,4 +495,5 @@ def test_float32_islands_are_on_below_float32_only(tiny_model_dir):
     assert not (decoder.fp32_residual or decoder.fp32_rotary or decoder.fp32_logits)
     decoder = make_runner(tiny_model_dir, dtype="bfloat16").model
     assert decoder.fp32_residual and decoder.fp32_rotary and decoder.fp32_logits
-    assert decoder.cos_table32.dtype == torch.float32 and decoder._lm_head32.dtype == torch.float32
+    assert decoder.cos_table32.dtype == torch.float32
+    assert decoder.lm_head_read_per_step().dtype == torch.float32
