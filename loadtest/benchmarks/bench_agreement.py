@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from typing import Any
@@ -25,7 +26,8 @@ import torch
 from loadtest.benchmarks.chat_prompts import CHAT_PROMPTS, render
 from model_worker import EngineConfig, LLMEngine, SamplingParams, resolve_model
 
-ISLANDS = ("fp32_residual", "fp32_rotary", "fp32_logits")
+from model_worker.runner.llama import ISLANDS
+
 REFERENCES = ("hf_float32", "hf_bfloat16")
 
 
@@ -52,10 +54,11 @@ def hf_outputs(path: str, dtype: torch.dtype, prompts: list[list[int]], max_toke
 
 
 def engine_outputs(path: str, dtype: str, prompts: list[list[int]], max_tokens: int, threads: int,
-                   islands: dict[str, bool] | None = None) -> tuple[list[list[int]], float]:
+                   islands: dict[str, bool] | None = None) -> tuple[list[list[int]], float, float]:
+    """(outputs, seconds for all of them batched, median seconds of a batch-1 decode step)."""
     engine = LLMEngine(EngineConfig(model=path, dtype=dtype, num_threads=threads, enable_prefix_caching=True))
-    for name, on in (islands or {}).items():
-        setattr(engine.runner.model, name, on)
+    if islands is not None:
+        engine.runner.model.set_islands(**islands)
     started_s = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
@@ -63,7 +66,21 @@ def engine_outputs(path: str, dtype: str, prompts: list[list[int]], max_tokens: 
     while engine.has_unfinished():
         for out in engine.step():
             tokens[out.request_id].extend(out.token_ids)
-    return [tokens[str(i)] for i in range(len(prompts))], time.perf_counter() - started_s
+    seconds = time.perf_counter() - started_s
+    return [tokens[str(i)] for i in range(len(prompts))], seconds, batch_1_step_s(engine, prompts[0])
+
+
+def batch_1_step_s(engine: LLMEngine, prompt: list[int], steps: int = 16) -> float:
+    """What this configuration's islands cost a step: the median decode step of one request."""
+    engine.add_request("timed", prompt, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    times = []
+    while engine.has_unfinished():
+        started_s = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started_s)
+    return statistics.median(times)
 
 
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str, float]:
@@ -83,7 +100,8 @@ def engine_systems(ablation: bool) -> dict[str, tuple[str, dict[str, bool] | Non
         systems["ours_bfloat16_no_islands"] = ("bfloat16", dict.fromkeys(ISLANDS, False))
         for island in ISLANDS:
             systems[f"ours_bfloat16_only_{island}"] = ("bfloat16", {name: name == island for name in ISLANDS})
-    systems["ours_bfloat16"] = ("bfloat16", dict.fromkeys(ISLANDS, True))
+        systems["ours_bfloat16_every_island"] = ("bfloat16", dict.fromkeys(ISLANDS, True))
+    systems["ours_bfloat16"] = ("bfloat16", None)  # the decoder's defaults
     return systems
 
 
@@ -99,24 +117,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"greedy up to {args.max_tokens} tokens or EOS, {args.threads} threads", file=sys.stderr)
     outputs: dict[str, list[list[int]]] = {}
     seconds: dict[str, float] = {}
+    step_ms: dict[str, float] = {}
     for name, dtype in (("hf_float32", torch.float32), ("hf_bfloat16", torch.bfloat16)):
         outputs[name], seconds[name] = hf_outputs(path, dtype, prompts, args.max_tokens)
         print(f"{name}: {seconds[name]:.1f}s", file=sys.stderr)
     for name, (dtype, islands) in engine_systems(not args.no_ablation).items():
-        outputs[name], seconds[name] = engine_outputs(path, dtype, prompts, args.max_tokens, args.threads, islands)
-        print(f"{name}: {seconds[name]:.1f}s", file=sys.stderr)
+        outputs[name], seconds[name], step_s = engine_outputs(path, dtype, prompts, args.max_tokens, args.threads,
+                                                              islands)
+        step_ms[name] = step_s * 1000
+        print(f"{name}: {seconds[name]:.1f}s, batch-1 decode step {step_ms[name]:.1f} ms", file=sys.stderr)
     results = {name: {ref: agreement(outs, outputs[ref]) for ref in REFERENCES if ref != name}
                for name, outs in outputs.items()}
-    print(format_table(results))
+    print(format_table(results, step_ms))
     summary = {"model": path, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
                "mean_output_tokens": {name: sum(map(len, outs)) / len(outs) for name, outs in outputs.items()},
-               "seconds": seconds, "agreement": results}
+               "seconds": seconds, "decode_step_ms_batch_1": step_ms, "agreement": results}
     print(json.dumps(summary))
     return summary
 
 
-def format_table(results: dict[str, dict[str, dict[str, float]]]) -> str:
-    header = f"{'system':36s}" + "".join(f"{'vs ' + ref:>34s}" for ref in REFERENCES)
+def format_table(results: dict[str, dict[str, dict[str, float]]], step_ms: dict[str, float]) -> str:
+    header = f"{'system':36s}" + "".join(f"{'vs ' + ref:>34s}" for ref in REFERENCES) + f"{'step ms':>10s}"
     lines = [header, "-" * len(header)]
     for name, by_ref in results.items():
         cells = []
@@ -127,7 +148,8 @@ def format_table(results: dict[str, dict[str, dict[str, float]]]) -> str:
                 continue
             first = "-" if a["mean_first_divergence"] is None else f"{a['mean_first_divergence']:.1f}"
             cells.append(f"{a['identical']:>10d}/{a['total']:<3d} same, first diff {first:>5s}")
-        lines.append(f"{name:36s}" + "".join(cells))
+        step = f"{step_ms[name]:10.1f}" if name in step_ms else f"{'':10s}"
+        lines.append(f"{name:36s}" + "".join(cells) + step)
     return "\n".join(lines)
 
 

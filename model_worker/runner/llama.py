@@ -20,6 +20,8 @@ from model_worker.runner import linear as packed
 from model_worker.runner.attention.base import AttentionBackend
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# The float32 islands of a decoder below float32 (LlamaDecoder says what each keeps in float32).
+ISLANDS = ("fp32_residual", "fp32_rotary", "fp32_logits", "fp32_final_norm")
 # These recompute their frequencies from the current sequence length inside the forward pass, so
 # one set of cos/sin tables cannot serve every sequence of a packed batch.
 DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
@@ -172,9 +174,12 @@ class LlamaDecoder:
     - `fp32_residual`: the residual stream between layers, so rounding does not pile up over 30
       layers of additions; each layer reads a normed copy in the model dtype.
     - `fp32_rotary`: cos/sin tables and the rotation of q and k, rounded once afterwards.
-    - `fp32_logits`: the final norm and the LM head on float32 weights (on CPU only, where the
-      float32 copy of the head is cheap; on CUDA the logits are computed in the model dtype and
-      upcast, as vLLM does).
+    - `fp32_logits`: the final norm and the LM head on float32 weights (a float32 copy of the head,
+      read every step).
+    - `fp32_final_norm`: the final norm in float32, rounded once for an LM head in the model dtype,
+      the logits upcast (as vLLM computes them). Only read when fp32_logits is off.
+    Only fp32_final_norm is on by default, the one that pays for itself (docs/benchmarks.md, 'The
+    float32 islands, each priced'); `set_islands` changes them (the ablation does).
     RMSNorm statistics are always float32, and attention's softmax accumulates in float32 inside
     the attention kernels.
 
@@ -191,10 +196,13 @@ class LlamaDecoder:
         self.scale = spec.head_dim ** -0.5
         device, dtype = weights.embed_tokens.device, weights.embed_tokens.dtype
         self.dtype = dtype
-        reduced = dtype != torch.float32
-        self.fp32_residual = reduced
-        self.fp32_rotary = reduced
-        self.fp32_logits = reduced and device.type == "cpu"
+        # Of the islands only the final norm pays for itself: it costs nothing measurable, and with
+        # oneDNN's bfloat16 matmuls the others each bought at most one more of 20 chat prompts
+        # equal to transformers float32, for 4 to 8 ms a step (docs/benchmarks.md).
+        self.fp32_residual = False
+        self.fp32_rotary = False
+        self.fp32_logits = False
+        self.fp32_final_norm = dtype != torch.float32
         # cos/sin tables (max_model_len, head_dim), computed in float32, kept in float32 for the
         # float32 rotation and cast to the model dtype (as transformers does per forward) otherwise.
         positions = torch.arange(max_model_len, dtype=torch.float32)
@@ -210,11 +218,24 @@ class LlamaDecoder:
         self._fused_norm = dtype == torch.float32
         self.packed = pack_weights and packed.packs(device.type, dtype)
         self._linear = packed.linear if self.packed else F.linear
-        # The LM head the forward reads: made now, so the memory profile sees it.
-        head = weights.lm_head.float() if self.fp32_logits else weights.lm_head
-        self._head = packed.pack(head) if self.packed else head
+        self._head = self._make_head()  # now, so the memory profile sees it
         if self.packed:
             self.weights = dataclasses.replace(weights, layers=[_packed_layer(layer) for layer in weights.layers])
+
+    def set_islands(self, **flags: bool) -> None:
+        """Turn float32 islands on or off by name (fp32_residual, fp32_rotary, fp32_logits,
+        fp32_final_norm); the LM head the forward reads is remade to match."""
+        for name, on in flags.items():
+            if name not in ISLANDS:
+                raise ValueError(f"unknown float32 island {name!r}; islands: {', '.join(ISLANDS)}")
+            setattr(self, name, bool(on))
+        self._head = self._make_head()
+
+    def _make_head(self) -> torch.Tensor:
+        head = self.weights.lm_head.float() if self.fp32_logits else self.weights.lm_head
+        if self.packed and packed.packs(head.device.type, head.dtype):
+            return packed.pack(head)
+        return head
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attn_metadata: Any, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -231,8 +252,15 @@ class LlamaDecoder:
         hidden = hidden[logits_indices]  # the final norm is per row, so only sampled rows need it
         if self.fp32_logits:
             normed = F.rms_norm(hidden.float(), self._norm32.shape, self._norm32, self.spec.rms_norm_eps)
-            return self._linear(normed, self._head)
-        return self._linear(self._rms_norm(hidden, weights.norm), self._head).float()
+            return self._head_linear(normed)
+        if self.fp32_final_norm:
+            normed = F.rms_norm(hidden.float(), self._norm32.shape, self._norm32, self.spec.rms_norm_eps)
+            return self._head_linear(normed.to(self.dtype)).float()
+        return self._head_linear(self._rms_norm(hidden, weights.norm)).float()
+
+    def _head_linear(self, normed: torch.Tensor) -> torch.Tensor:
+        head = self._head
+        return packed.linear(normed, head) if head.is_mkldnn else F.linear(normed, head)
 
     def _layer(self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:

@@ -18,7 +18,7 @@ from contracts.sampling import SamplingParams
 from model_worker.sched.batch import ScheduledSequence, SchedulerOutput
 from model_worker.config import EngineConfig
 from model_worker.runner import TorchModelRunner
-from model_worker.runner.llama import compute_rope_frequencies
+from model_worker.runner.llama import ISLANDS, compute_rope_frequencies
 
 pytestmark = pytest.mark.integration
 
@@ -490,10 +490,18 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it_natively(monkeypa
     assert model_runner.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
 
 
-def test_float32_islands_are_on_below_float32_only(tiny_model_dir):
+def test_the_float32_final_norm_is_on_below_float32_only_and_islands_switch_by_name(tiny_model_dir, prompt):
     decoder = make_runner(tiny_model_dir).model
-    assert not (decoder.fp32_residual or decoder.fp32_rotary or decoder.fp32_logits)
-    decoder = make_runner(tiny_model_dir, dtype="bfloat16").model
-    assert decoder.fp32_residual and decoder.fp32_rotary and decoder.fp32_logits
-    assert decoder.cos_table32.dtype == torch.float32
-    assert decoder.lm_head_read_per_step().dtype == torch.float32
+    assert not any(getattr(decoder, island) for island in ISLANDS)
+    runner = make_runner(tiny_model_dir, dtype="bfloat16")
+    decoder = runner.model
+    assert decoder.fp32_final_norm and not (decoder.fp32_residual or decoder.fp32_rotary or decoder.fp32_logits)
+    assert decoder.lm_head_read_per_step().dtype == torch.bfloat16
+    batch = step(seq("a", prompt, 0, range(0, 4)))
+    default = runner.compute_logits(batch, all_tokens=True)
+    decoder.set_islands(**dict.fromkeys(ISLANDS, True))
+    assert decoder.lm_head_read_per_step().dtype == torch.float32, "the float32 head, remade"
+    every = runner.compute_logits(batch, all_tokens=True)
+    assert torch.equal(every.argmax(-1)[:4], default.argmax(-1)[:4]) or (every - default).abs().max() < 0.5
+    with pytest.raises(ValueError, match="unknown float32 island"):
+        decoder.set_islands(fp32_everything=True)
