@@ -37,6 +37,11 @@ class EngineConfig:
     # Token budget of one step: decodes (1 each) plus prompt chunks. Bounds step latency, so a
     # long prompt is prefilled over several steps while running requests keep decoding.
     max_num_batched_tokens: int = 512
+    # Stall-free batching (model_worker/sched/step_budget.py): while requests decode, a step carries
+    # only the prompt tokens that keep it under this many times a pure decode step, from the step
+    # times measured; an idle engine still prefills at the full budget. None: prompts fill
+    # max_num_batched_tokens whatever runs beside them.
+    max_decode_slowdown: float | None = 2.0
     # Longest prompt + output; None takes the model's max_position_embeddings.
     max_model_len: int | None = None
     # Reuse KV blocks of identical prompt prefixes across requests.
@@ -79,6 +84,7 @@ class EngineConfig:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_decode_slowdown(self.max_decode_slowdown)
         _positive_int("stats_window", self.stats_window)
         _positive_int("cuda_graph_max_batch", self.cuda_graph_max_batch)
         if self.max_model_len is not None:
@@ -114,11 +120,18 @@ class SchedulerConfig:
     max_model_len: int
     enable_prefix_caching: bool = True
     batching: str = "continuous"
+    max_decode_slowdown: float | None = 2.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             _positive_int(name, getattr(self, name))
         _choice("batching", self.batching, BATCHING_MODES)
+        check_decode_slowdown(self.max_decode_slowdown)
+
+
+def check_decode_slowdown(value: object) -> None:
+    if value is not None and not (is_number(value) and 1 <= value <= 1000):
+        raise ValueError(f"max_decode_slowdown must be None or a number in [1, 1000], got {value!r}")
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -52,7 +52,8 @@ def scheduler_config(**limits: Any) -> SchedulerConfig:
     engine = EngineConfig()
     fields = dict(block_size=engine.block_size, num_kv_blocks=4096, max_num_seqs=engine.max_num_seqs,
                   max_num_batched_tokens=engine.max_num_batched_tokens, max_model_len=8192,
-                  enable_prefix_caching=engine.enable_prefix_caching, batching=engine.batching)
+                  enable_prefix_caching=engine.enable_prefix_caching, batching=engine.batching,
+                  max_decode_slowdown=engine.max_decode_slowdown)
     unknown = sorted(set(limits) - set(fields))
     if unknown:
         raise ValueError(f"unknown scheduler limits {unknown}; known: {sorted(fields)}")

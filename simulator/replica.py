@@ -71,7 +71,8 @@ def engine_config(limits: SchedulerConfig) -> EngineConfig:
     under exactly `limits`."""
     return EngineConfig(block_size=limits.block_size, max_num_seqs=limits.max_num_seqs,
                         max_num_batched_tokens=limits.max_num_batched_tokens,
-                        enable_prefix_caching=limits.enable_prefix_caching, batching=limits.batching)
+                        enable_prefix_caching=limits.enable_prefix_caching, batching=limits.batching,
+                        max_decode_slowdown=limits.max_decode_slowdown)
 
 
 @dataclass(slots=True)

@@ -79,6 +79,7 @@ class LLMEngine:
             max_model_len=model_runner.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             batching=config.batching,
+            max_decode_slowdown=config.max_decode_slowdown,
         )
         self.scheduler = make_scheduler(scheduler_config, eos_token_ids, clock)
         self.checks = RequestChecker(tokenizer, self.vocab_size, scheduler_config)

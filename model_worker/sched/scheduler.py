@@ -9,6 +9,10 @@ No new request is admitted in a step that preempted for blocks. When every seat 
 taken, a waiting request of a more urgent class (interactive over batch) takes the seat of the
 least urgent running one.
 
+How many of a step's tokens may be prompt tokens while requests decode is the StepBudget's call
+(model_worker/sched/step_budget.py, stall-free batching): a chunk the step can afford beside its
+decodes, from the step times this scheduler has seen; decodes are never left out for a prompt.
+
 Static (request-level) batching, the benchmarks' baseline, is a policy of its own beside this
 one: model_worker/sched/static_scheduler.py. `model_worker.sched.selector.make_scheduler` picks by
 `SchedulerConfig.batching`.
@@ -26,6 +30,7 @@ from model_worker.sched.kv_cache_manager import KVCacheManager
 from model_worker.sched.request import Priority, Request, RequestStatus
 from model_worker.sched.request_checks import RequestRejected, check_kv_capacity, check_request_id_unused
 from model_worker.sched.request_queue import RequestQueue
+from model_worker.sched.step_budget import StepBudget
 
 __all__ = ["RequestRejected", "Scheduler"]
 
@@ -51,6 +56,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.step_budget = StepBudget(config.max_num_batched_tokens, config.max_decode_slowdown,
+                                      min_tokens=config.block_size)
+        # The clock at the last schedule(), and its batch's decodes and prompt tokens: update()
+        # tells the step budget what that step took.
+        self._scheduled_s = 0.0
+        self._scheduled_mix = (0, 0)
 
     # ---- submission and removal -------------------------------------------------------------
 
@@ -110,11 +121,21 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         num_seats_freed = self._free_seats_for_urgent(out)
-        budget = self._schedule_running(out, budget)
+        num_decodes = self._num_decoding()
+        prompt_budget = self.step_budget.prompt_tokens(num_decodes)
+        budget, prompt_budget = self._schedule_running(out, budget, prompt_budget)
         if len(out.preempted_request_ids) == num_seats_freed:
-            budget = self._schedule_waiting(out, budget)
+            budget = self._schedule_waiting(out, budget, prompt_budget)
         out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        self._scheduled_s = self.clock()
+        num_decoded = sum(len(seq.token_ids) == 1 for seq in out.sequences)
+        self._scheduled_mix = (num_decoded, out.num_scheduled_tokens - num_decoded)
         return out
+
+    def _num_decoding(self) -> int:
+        """Running requests that need one token: the decodes of the next step."""
+        return sum(len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens == 1
+                   for r in self.running)
 
     def _free_seats_for_urgent(self, out: SchedulerOutput) -> int:
         """With every seat (max_num_seqs) taken, each waiting request of a more urgent class takes
@@ -133,7 +154,10 @@ class Scheduler:
     def _num_waiting_before(self, priority: int) -> int:
         return sum(self.waiting.count(p) for p in Priority if p < priority)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prompt_budget: int) -> tuple[int, int]:
+        """Every running request in order, a decode one token, a prefill a chunk of at most
+        `prompt_budget` prompt tokens in all; a prefill that finds it spent waits a step, and the
+        decodes after it still run. Returns what is left of both budgets."""
         # The hot loop of every step (one pass per running request): locals, and the allocation
         # tried once before the preemption loop, which only a full pool enters.
         running, allocate_slots, emit = self.running, self.kv.allocate_slots, self._emit
@@ -141,14 +165,18 @@ class Scheduler:
         while index < len(running) and budget > 0:
             request = running[index]
             num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens
-            if num_new > budget:
-                num_new = budget
+            if num_new > 1:
+                num_new = min(num_new, budget, prompt_budget)
+                if num_new == 0:
+                    index += 1
+                    continue
+                prompt_budget -= num_new
             if not allocate_slots(request, num_new) and not self._allocate_or_preempt(request, num_new, out):
                 break
             emit(out, request, num_new)
             budget -= num_new
             index += 1
-        return budget
+        return budget, prompt_budget
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(request, num_new):
@@ -159,18 +187,19 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, prompt_budget: int) -> int:
+        while self.waiting and min(budget, prompt_budget) > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             hits = self.kv.get_computed_blocks(request)
             num_hit_tokens = len(hits) * self.config.block_size
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            num_new = min(request.num_tokens - num_hit_tokens, budget, prompt_budget)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             self.waiting.pop()
             self._start_running(request, num_hit_tokens)
             self._emit(out, request, num_new)
             budget -= num_new
+            prompt_budget -= num_new
         return budget
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:
@@ -211,6 +240,8 @@ class Scheduler:
         if len(sampled) != batch.num_sampling:
             raise RuntimeError(f"runner returned {len(sampled)} tokens for {batch.num_sampling} sequences")
         now = self.clock()
+        if not batch.is_empty:
+            self.step_budget.record(*self._scheduled_mix, now - self._scheduled_s)
         tokens = iter(sampled)
         progressed = []
         # Once per sampled token of every step: the lookups hoisted, and the cheap tests of

@@ -26,7 +26,8 @@ class StaticBatchScheduler(Scheduler):
         out = SchedulerOutput()
         if not self.running and not self._held:
             self._admit_batch()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        # A fixed-shape batch's baseline: its prompts fill the token budget (no stall-free chunks).
+        budget, _ = self._schedule_running(out, self.config.max_num_batched_tokens, self.config.max_num_batched_tokens)
         if self.running:
             budget = self._schedule_padding(out, budget)
         out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget

@@ -142,7 +142,8 @@ def cluster_config(app_args: dict[str, Any], max_model_len: int, **extra: Any) -
     limits = SchedulerConfig(block_size=engine.block_size, num_kv_blocks=engine.num_kv_blocks,
                              max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
                              max_model_len=min(engine.max_model_len or max_model_len, max_model_len),
-                             enable_prefix_caching=engine.enable_prefix_caching, batching=engine.batching)
+                             enable_prefix_caching=engine.enable_prefix_caching, batching=engine.batching,
+                             max_decode_slowdown=engine.max_decode_slowdown)
     return ClusterConfig(scheduler=limits, num_replicas=app_args.get("num_replicas") or 1, router=router, dispatch_ttl_s=ttl_s,
                          routing_stats_period_s=app_args.get("routing_stats_period_s", 1.0),
                          admission=dict(app_args.get("admission", {})), **extra)
