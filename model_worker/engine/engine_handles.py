@@ -64,12 +64,10 @@ class EngineProcess:
         env = dict(os.environ)
         # The process imports what this process imports, wherever Ray put it (a working_dir).
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        # The process shares the machine with the serving path (this process, the ingress, the HTTP
-        # proxy). OpenMP workers that spin between parallel regions take the cores those need, and a
-        # region stalls whenever a spinning worker is descheduled; passive workers serve more tokens
-        # a second where cores are few (docs/benchmarks.md, 'The tiny model: where the step is short').
-        # An explicit setting of the operator's wins.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # OpenMP's wait policy is the runtime's own unless the operator sets one: with SmolLM2, a
+        # passive team (workers asleep between parallel regions) made the served decode step 30%
+        # slower than spinning workers do, the serving processes' share of the cores included
+        # (docs/benchmarks.md, 'Decode steps at the memory limit').
         self._process = subprocess.Popen(
             [sys.executable, "-c", _PROCESS_MAIN, str(child_conn.fileno()), str(os.getpid())],
             pass_fds=(child_conn.fileno(),), env=env, stdin=subprocess.DEVNULL)
