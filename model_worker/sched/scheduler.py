@@ -121,8 +121,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         num_seats_freed = self._free_seats_for_urgent(out)
-        num_decodes = self._num_decoding()
-        prompt_budget = self.step_budget.prompt_tokens(num_decodes)
+        num_decodes, num_prefilling = self._num_decoding_and_prefilling()
+        prompt_budget = self.step_budget.prompt_tokens(num_decodes, num_prefilling + len(self.waiting))
         budget, prompt_budget = self._schedule_running(out, budget, prompt_budget)
         if len(out.preempted_request_ids) == num_seats_freed:
             budget = self._schedule_waiting(out, budget, prompt_budget)
@@ -132,10 +132,11 @@ class Scheduler:
         self._scheduled_mix = (num_decoded, out.num_scheduled_tokens - num_decoded)
         return out
 
-    def _num_decoding(self) -> int:
-        """Running requests that need one token: the decodes of the next step."""
-        return sum(len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens == 1
-                   for r in self.running)
+    def _num_decoding_and_prefilling(self) -> tuple[int, int]:
+        """Running requests that need one token (the decodes of the next step), and the others."""
+        decoding = sum(len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens == 1
+                       for r in self.running)
+        return decoding, len(self.running) - decoding
 
     def _free_seats_for_urgent(self, out: SchedulerOutput) -> int:
         """With every seat (max_num_seqs) taken, each waiting request of a more urgent class takes

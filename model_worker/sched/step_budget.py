@@ -5,8 +5,13 @@ on a CPU a 256-token prompt makes that step several times a decode step. Sarathi
 is a budget the step can afford. Here a step's time is modelled as D(d) + c * p: D the time of a
 pure decode step at d decodes, c the cost of one prompt token, both learnt from the steps the
 engine has run (moving averages; D per power-of-two bucket of d). Beside d > 0 running decodes, a
-step carries at most (max_slowdown - 1) * D(d) / c prompt tokens, so no decode step takes more
-than about max_slowdown pure decode steps; never fewer than `min_tokens`, so prompts always move.
+step carries at most k * (max_slowdown - 1) * D(d) / c prompt tokens for k prompts in flight
+(waiting, or part-way through their prefill), never fewer than `min_tokens`, so prompts always
+move. With one prompt in flight, the common case under light load, no decode step takes more than
+about max_slowdown pure decode steps. Each further prompt gets a share of its own: with a fixed
+cap, a burst of k prompts would be prefilled k times slower, the last one's TTFT growing with k
+and throughput falling (a 2x cap served 16 requests sent at once at 46 tok/s against 96 uncapped,
+SmolLM2 bf16 on 2 cores: docs/benchmarks.md, 'Stall-free batching').
 With no decode running (an idle engine, so a lone request's TTFT is what it was), before both
 terms have been measured, or with max_slowdown None, the whole token budget.
 
@@ -36,8 +41,9 @@ class StepBudget:
         # Seconds one prompt token adds to a step.
         self.prompt_token_s: float | None = None
 
-    def prompt_tokens(self, num_decodes: int) -> int:
-        """Most prompt tokens the next step may carry beside `num_decodes` running decodes."""
+    def prompt_tokens(self, num_decodes: int, num_prompts: int = 1) -> int:
+        """Most prompt tokens the next step may carry beside `num_decodes` running decodes, with
+        `num_prompts` prompts in flight."""
         if self.max_slowdown is None or num_decodes == 0 or self.prompt_token_s is None:
             return self.max_tokens
         decode_s = self._decode_s(num_decodes)
@@ -45,7 +51,7 @@ class StepBudget:
             return self.max_tokens
         if self.prompt_token_s <= 0:
             return self.max_tokens
-        affordable = int((self.max_slowdown - 1) * decode_s / self.prompt_token_s)
+        affordable = int(max(num_prompts, 1) * (self.max_slowdown - 1) * decode_s / self.prompt_token_s)
         return max(self.min_tokens, min(affordable, self.max_tokens))
 
     def record(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:

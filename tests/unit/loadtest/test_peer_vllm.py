@@ -263,3 +263,39 @@ def test_priority_label_is_sent_unless_turned_off():
     assert sent_body(True)["priority"] == "interactive"
     body = sent_body(False)
     assert "priority" not in body and body["prompt"] == [5, 6, 7] and body["max_tokens"] == 4
+
+
+def test_vllm_client_runs_vllms_benchmark_on_random_prompts_with_eos_ignored(tmp_path):
+    argv = pv.vllm_client_argv(Path("/peer/bin/python"), "http://127.0.0.1:8000", "SmolLM2", "/ckpt",
+                                      input_len=256, output_len=64, num_prompts=12, rate=None,
+                                      result_dir=tmp_path, result_name="r.json")
+    assert argv[:2] == ["/peer/bin/python", "-c"] and "vllm.benchmarks.serve" in argv[2]
+    flags = {flag: argv[i + 1] for i, flag in enumerate(argv[:-1]) if flag.startswith("--")}
+    assert "--ignore-eos" in argv and flags["--dataset-name"] == "random"
+    assert (flags["--random-input-len"], flags["--random-output-len"], flags["--num-prompts"]) == ("256", "64", "12")
+    assert flags["--request-rate"] == "inf" and flags["--base-url"] == "http://127.0.0.1:8000"
+    assert flags["--endpoint"] == "/v1/completions" and flags["--model"] == "SmolLM2"
+
+
+def _fake_client(result: dict | None, code: int = 0) -> list[str]:
+    script = (f"import json, sys; r = {result!r}; "
+              f"r is None or open(sys.argv[1], 'w').write(json.dumps(r)); sys.exit({code})")
+    return [sys.executable, "-c", script]
+
+
+def test_vllm_clients_result_is_read_by_our_names(tmp_path):
+    path = tmp_path / "r.json"
+    result = {"median_ttft_ms": 300.0, "median_tpot_ms": 50.0, "median_itl_ms": 40.0, "output_throughput": 120.5,
+              "completed": 12, "failed": 0, "other": 1}
+    figures = pv.run_vllm_client([*_fake_client(result), str(path)], path, tmp_path / "log")
+    assert figures == {"ttft_p50_ms": 300.0, "tpot_p50_ms": 50.0, "itl_p50_ms": 40.0, "tokens_per_s": 120.5,
+                       "completed": 12.0, "failed": 0.0}
+
+
+@pytest.mark.parametrize("result, code, message", [(None, 0, "exited with code 0"),
+                                                   ({"completed": 3}, 2, "exited with code 2"),
+                                                   ({"completed": 3, "failed": 2}, 0, "2 requests failed")])
+def test_a_failed_vllm_client_run_is_an_error(tmp_path, result, code, message):
+    path = tmp_path / "r.json"
+    with pytest.raises(RuntimeError, match=message):
+        pv.run_vllm_client([*_fake_client(result, code), str(path)], path, tmp_path / "log")

@@ -47,6 +47,15 @@ def test_the_slowdown_scales_the_chunk_and_the_floor_and_ceiling_hold():
     assert cheap.prompt_tokens(1) == 64
 
 
+def test_each_prompt_in_flight_gets_a_share_so_a_burst_is_not_prefilled_k_times_slower():
+    budget = StepBudget(512, max_slowdown=2.0, min_tokens=16)
+    budget.record(4, 0, DECODE_S)
+    budget.record(4, 100, DECODE_S + 100 * TOKEN_S)
+    one = budget.prompt_tokens(4, num_prompts=1)
+    assert budget.prompt_tokens(4, num_prompts=3) == pytest.approx(3 * one, abs=2)
+    assert budget.prompt_tokens(4, num_prompts=100) == 512, "never past the token budget"
+
+
 def test_small_prompt_steps_and_zero_times_teach_nothing():
     budget = StepBudget(512, max_slowdown=2.0, min_tokens=16)
     budget.record(2, 0, DECODE_S)
