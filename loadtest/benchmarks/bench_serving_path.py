@@ -260,7 +260,10 @@ def vllm_client_runs(args: argparse.Namespace, base_url: str, model_name: str, l
         argv = vllm_client_argv(python, base_url, model_name, resolve_model(args.model), input_len=args.prompt_tokens,
                                 output_len=args.output_tokens, num_prompts=count, rate=rate, result_dir=out,
                                 result_name=name, seed=args.seed)
-        figures[run] = run_vllm_client(argv, out / name, out / f"{label}.log")
+        try:
+            figures[run] = run_vllm_client(argv, out / name, out / f"{label}.log")
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the other figures of the run still count
+            figures[run] = {"error": str(exc)[-2000:]}
         print(f"vllm bench serve -> {label} {run}: {figures[run]}", flush=True)
     return figures
 
@@ -279,7 +282,7 @@ def vllm_client_figures(ours: dict[str, dict[str, float]], vllm: dict[str, dict[
     figures: dict[str, Any] = {"ours": ours, "vllm": vllm}
     for run, keys in (("light", ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms")), ("burst", ("tokens_per_s",))):
         for key in keys:
-            if vllm[run].get(key):
+            if vllm[run].get(key) and ours[run].get(key) is not None:
                 figures[f"{run}_{key}_over_vllm"] = ours[run][key] / vllm[run][key]
     return figures
 
