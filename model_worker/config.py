@@ -38,10 +38,13 @@ class EngineConfig:
     # long prompt is prefilled over several steps while running requests keep decoding.
     max_num_batched_tokens: int = 512
     # Stall-free batching (model_worker/sched/step_budget.py): while requests decode, a step carries
-    # only the prompt tokens that keep it under this many times a pure decode step, from the step
-    # times measured; an idle engine still prefills at the full budget. None: prompts fill
-    # max_num_batched_tokens whatever runs beside them.
-    max_decode_slowdown: float | None = 2.0
+    # only the prompt tokens that keep it under this many times a pure decode step per prompt in
+    # flight, from the step times measured; an idle engine still prefills at the full budget.
+    # None (the default): prompts fill max_num_batched_tokens whatever runs beside them. On 2 CPU
+    # cores, where a step's fixed cost is large, 2 made SmolLM2's served TTFT p50 2.5x longer and
+    # its TPOT no shorter (docs/benchmarks.md, 'Stall-free batching'); 2 is the setting that caps
+    # a decode step at about twice a pure one.
+    max_decode_slowdown: float | None = None
     # Longest prompt + output; None takes the model's max_position_embeddings.
     max_model_len: int | None = None
     # Reuse KV blocks of identical prompt prefixes across requests.
@@ -120,7 +123,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_prefix_caching: bool = True
     batching: str = "continuous"
-    max_decode_slowdown: float | None = 2.0
+    max_decode_slowdown: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

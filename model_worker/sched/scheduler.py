@@ -10,8 +10,10 @@ taken, a waiting request of a more urgent class (interactive over batch) takes t
 least urgent running one.
 
 How many of a step's tokens may be prompt tokens while requests decode is the StepBudget's call
-(model_worker/sched/step_budget.py, stall-free batching): a chunk the step can afford beside its
-decodes, from the step times this scheduler has seen; decodes are never left out for a prompt.
+(model_worker/sched/step_budget.py, stall-free batching, with max_decode_slowdown set): a chunk
+the step can afford beside its decodes, from the step times this scheduler has seen. Decodes are
+never left out for a prompt: a prefill ahead of them in the running order takes only the prompt
+budget.
 
 Static (request-level) batching, the benchmarks' baseline, is a policy of its own beside this
 one: model_worker/sched/static_scheduler.py. `model_worker.sched.selector.make_scheduler` picks by

@@ -43,16 +43,16 @@ class StepBudget:
 
     def prompt_tokens(self, num_decodes: int, num_prompts: int = 1) -> int:
         """Most prompt tokens the next step may carry beside `num_decodes` running decodes, with
-        `num_prompts` prompts in flight."""
+        `num_prompts` prompts in flight. Never more than the token budget less one token per
+        decode, so a prefill ahead of decodes in the running order leaves them theirs."""
+        uncapped = max(self.max_tokens - num_decodes, self.min_tokens)
         if self.max_slowdown is None or num_decodes == 0 or self.prompt_token_s is None:
-            return self.max_tokens
+            return uncapped
         decode_s = self._decode_s(num_decodes)
-        if decode_s is None:
-            return self.max_tokens
-        if self.prompt_token_s <= 0:
-            return self.max_tokens
+        if decode_s is None or self.prompt_token_s <= 0:
+            return uncapped
         affordable = int(max(num_prompts, 1) * (self.max_slowdown - 1) * decode_s / self.prompt_token_s)
-        return max(self.min_tokens, min(affordable, self.max_tokens))
+        return max(self.min_tokens, min(affordable, uncapped))
 
     def record(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:
         """What a step of `num_decodes` decodes and `num_prompt_tokens` prompt tokens took."""

@@ -23,13 +23,13 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 def test_the_whole_budget_until_both_costs_are_measured_and_when_nothing_decodes():
     budget = StepBudget(512, max_slowdown=2.0, min_tokens=16)
-    assert budget.prompt_tokens(4) == 512, "nothing measured yet"
+    assert budget.prompt_tokens(4) == 508, "nothing measured yet: the budget less the decodes"
     budget.record(4, 0, DECODE_S)
-    assert budget.prompt_tokens(4) == 512, "a token's cost not measured yet"
+    assert budget.prompt_tokens(4) == 508, "a token's cost not measured yet"
     budget.record(4, 100, DECODE_S + 100 * TOKEN_S)
     assert budget.prompt_tokens(4) == pytest.approx(DECODE_S / TOKEN_S, abs=1)  # (2 - 1) * D / c = 20
     assert budget.prompt_tokens(0) == 512, "an idle engine prefills at full size"
-    assert StepBudget(512, None, 16).prompt_tokens(4) == 512
+    assert StepBudget(512, None, 16).prompt_tokens(4) == 508
 
 
 def test_the_slowdown_scales_the_chunk_and_the_floor_and_ceiling_hold():
@@ -44,7 +44,7 @@ def test_the_slowdown_scales_the_chunk_and_the_floor_and_ceiling_hold():
     cheap = StepBudget(64, max_slowdown=2.0, min_tokens=16)
     cheap.record(1, 0, DECODE_S)
     cheap.record(1, 100, DECODE_S + 100 * 1e-6)
-    assert cheap.prompt_tokens(1) == 64
+    assert cheap.prompt_tokens(1) == 63, "the token budget less the decode"
 
 
 def test_each_prompt_in_flight_gets_a_share_so_a_burst_is_not_prefilled_k_times_slower():
@@ -53,7 +53,7 @@ def test_each_prompt_in_flight_gets_a_share_so_a_burst_is_not_prefilled_k_times_
     budget.record(4, 100, DECODE_S + 100 * TOKEN_S)
     one = budget.prompt_tokens(4, num_prompts=1)
     assert budget.prompt_tokens(4, num_prompts=3) == pytest.approx(3 * one, abs=2)
-    assert budget.prompt_tokens(4, num_prompts=100) == 512, "never past the token budget"
+    assert budget.prompt_tokens(4, num_prompts=100) == 508, "never past the token budget"
 
 
 def test_small_prompt_steps_and_zero_times_teach_nothing():
@@ -85,7 +85,7 @@ def timed(engine):
 
 
 def test_decodes_never_wait_behind_a_prompt_beyond_the_slowdown(make_engine):
-    engine = timed(make_engine(num_kv_blocks=1024, block_size=16, max_num_batched_tokens=512))
+    engine = timed(make_engine(num_kv_blocks=1024, block_size=16, max_num_batched_tokens=512, max_decode_slowdown=2.0))
     for i in range(4):
         engine.add_request(f"d{i}", prompt(40, i), greedy(60))
     engine.step()  # an idle engine: the four prompts in one step
@@ -108,11 +108,13 @@ def test_decodes_never_wait_behind_a_prompt_beyond_the_slowdown(make_engine):
     assert result["tokens"]["long"][-3:] == reference_tokens(prompt(300, 99), 4)[-3:]
 
 
-def test_a_prefill_ahead_in_the_running_order_does_not_starve_the_decodes_behind_it(make_engine):
+@pytest.mark.parametrize("slowdown", [2.0, None])
+def test_a_prefill_ahead_in_the_running_order_does_not_starve_the_decodes_behind_it(make_engine, slowdown):
     """An interactive prompt that arrives while a batch request decodes runs ahead of it in the
     running order; it takes the prompt budget, and the decode behind it still gets its token in
-    every step (with a fixed budget the prompt took all of it, and the decode waited)."""
-    engine = timed(make_engine(num_kv_blocks=1024, block_size=16, max_num_batched_tokens=256))
+    every step (before, the prompt took the whole token budget and the decode waited)."""
+    engine = timed(make_engine(num_kv_blocks=1024, block_size=16, max_num_batched_tokens=256,
+                               max_decode_slowdown=slowdown))
     engine.add_request("batch", prompt(20, 8), greedy(200), priority="batch")
     engine.add_request("warm", prompt(100, 50), greedy(2), priority="batch")
     for _ in range(4):
@@ -125,20 +127,37 @@ def test_a_prefill_ahead_in_the_running_order_does_not_starve_the_decodes_behind
     # (2 - 1) * D / c = 20 tokens, learnt from the steps so far (the first estimate, made before any
     # decode step was timed, is high, so the first chunks are a little smaller)
     chunks = [step["urgent"] for step in log if step["urgent"] > 1]
-    assert sum(chunks) in (1499, 1500) and all(16 <= chunk <= 20 for chunk in chunks[:-1]), "chunks the step affords"
+    assert sum(chunks) in (1499, 1500)
+    if slowdown is None:
+        assert chunks[:-1] == [255] * (len(chunks) - 1), "the token budget less the decode's token"
+    else:
+        assert all(16 <= chunk <= 20 for chunk in chunks[:-1]), "chunks the step affords"
     assert all(step.get("batch") == 1 for step in log), "the batch request decoded in every step"
     run_to_completion(engine)
 
 
 def test_an_idle_engine_prefills_a_lone_prompt_whole(make_engine):
     """A lone request's TTFT is what it was: with nothing decoding, the prompt fills the budget."""
-    engine = timed(make_engine(num_kv_blocks=1024, block_size=16, max_num_batched_tokens=512))
+    engine = timed(make_engine(num_kv_blocks=1024, block_size=16, max_num_batched_tokens=512, max_decode_slowdown=2.0))
     engine.add_request("a", prompt(50, 1), greedy(20))
     engine.add_request("b", prompt(100, 2), greedy(2))
     run_to_completion(engine)
     engine.add_request("lone", prompt(400, 3), greedy(2))
     engine.step()
     assert engine.runner.batches[-1].num_scheduled_tokens == 400
+    run_to_completion(engine)
+
+
+def test_off_by_default_prompts_fill_the_token_budget(make_engine):
+    engine = timed(make_engine(num_kv_blocks=1024, block_size=16, max_num_batched_tokens=512))
+    assert engine.scheduler.config.max_decode_slowdown is None
+    engine.add_request("a", prompt(40, 1), greedy(30))
+    engine.add_request("warm", prompt(100, 2), greedy(2))
+    for _ in range(4):
+        engine.step()
+    engine.add_request("long", prompt(300, 3), greedy(2))
+    engine.step()
+    assert engine.runner.batches[-1].num_scheduled_tokens == 301, "the whole prompt beside the decode"
     run_to_completion(engine)
 
 
