@@ -18,6 +18,7 @@ from ray.serve.handle import DeploymentHandle
 
 from autoscaler.admission import AdmissionPolicy
 from autoscaler.serve_policy import autoscaling_config
+from deployments import http_guard
 from deployments.app_config import AppArgs
 from deployments.frontend import OpenAIFrontend
 from deployments.handle_backend import HandleBackend
@@ -89,6 +90,7 @@ class OpenAIIngress(OpenAIFrontend):
     def __init__(self, llm_server: DeploymentHandle, model: str | None, tokenizer: str | None,
                  api_key: str | None, admission: dict[str, Any] | None = None,
                  retry: dict[str, Any] | None = None, body_timeout_s: float = 30.0) -> None:
+        http_guard.install_in_ingress()
         context = serve.get_replica_context()
         source = tokenizer or model
         backend = HandleBackend(llm_server, context.app_name, LLM_SERVER, RetryPolicy(**(retry or {})),

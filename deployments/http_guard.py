@@ -5,7 +5,9 @@ is cancelled by any byte received, and nothing bounds a connection that never co
 request. 1,300 idle or slowly-sending connections were held indefinitely (the proxy's file limit
 is 20,000). Serve runs `install()` in the proxy process at start when
 RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH names it (deployments/local_ray.py sets it for a local
-Ray; docs/cluster.md shows it for `ray start`). It adds, on uvicorn's HTTP protocols:
+Ray; docs/cluster.md shows it for `ray start`). With Serve's direct ingress the ingress replica
+runs the HTTP server itself, and OpenAIIngress installs the guard there (`install_in_ingress`).
+It adds, on uvicorn's HTTP protocols:
 
 - a request header deadline: a connection must complete a request's headers within
   `header_timeout_s` of opening, or of its previous response, or it gets 408 and is closed;
@@ -68,6 +70,17 @@ def install() -> list[Any]:
     logger.info("iterserve http guard: header timeout %.0f s, at most %d connections",
                 config.header_timeout_s, config.max_connections)
     return []
+
+
+def install_in_ingress() -> bool:
+    """Install the guard in this ingress replica's process when Serve's direct ingress has it
+    serve HTTP itself (no proxy in front of it); True if it did."""
+    from ray.serve._private import constants
+
+    if not constants.RAY_SERVE_ENABLE_DIRECT_INGRESS:
+        return False
+    install()
+    return True
 
 
 def _protocol_classes() -> list[type]:

@@ -13,6 +13,9 @@ it instead.
 
 Ray's token authentication stays as Ray sets it (on for a local `ray.init()`): only tests turn it
 off, with RAY_AUTH_MODE=disabled.
+
+The serving path (`serving_path_env`) is chosen here too, because Serve reads it from the
+environment of each of its processes when they start.
 """
 
 from __future__ import annotations
@@ -23,13 +26,51 @@ from typing import Any
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 SETUP_HOOK = "deployments.local_ray.bind_replica_grpc_to_loopback"
 
+SERVING_PATHS = ("direct", "proxy")
+# Ports from the HTTP port up that direct ingress may give ingress replicas: the first goes to the
+# first application's one ingress replica; the rest to other applications' ingresses (each has a
+# port of its own) and to a replacement that starts before the replica it replaces has let go.
+DIRECT_INGRESS_PORTS = 8
 
-def init_local_ray(**init_kwargs: Any) -> None:
-    """ray.init() of a new local Ray whose every listener is on 127.0.0.1, and whose Serve proxy
-    bounds idle and slow connections (deployments/http_guard.py)."""
+
+def serving_path_env(path: str, http_port: int | None = None) -> dict[str, str]:
+    """Ray Serve's settings for how an HTTP request reaches the ingress, as environment variables.
+
+    - "proxy": Serve's defaults. The HTTP proxy actor listens on the port serve.start is given and
+      passes each request, and every chunk of its response stream, to an ingress replica through
+      a handle: one more process and one more Ray stream per token.
+    - "direct": the ingress replica serves HTTP itself on `http_port` (Serve's direct ingress),
+      with the rest of Serve's throughput-optimised settings (user code and the handle's router on
+      the replica's own event loop, handle calls over gRPC, request logs buffered and kept off
+      stderr). Serve still starts a proxy on the head node, on the port serve.start is given,
+      which must be another one; it routes by prefix to every application, which direct ingress
+      does not (each application's ingress gets a port of its own, the next ones up from
+      `http_port`). Its cost: an ingress replica that dies is replaced on the next free port of
+      the range, not on `http_port` (Serve allocates the new replica's port before it releases
+      the dead one's), so clients of the old port are refused until they are pointed elsewhere.
+      That is why "proxy" is the default of `iterserve serve`.
+
+    docs/benchmarks.md measures what the proxy's hop costs a token on 2 cores."""
+    if path == "proxy":
+        return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+    if path != "direct":
+        raise ValueError(f"serving path must be one of {', '.join(SERVING_PATHS)}, got {path!r}")
+    if http_port is None or not 0 < http_port <= 65535 - DIRECT_INGRESS_PORTS:
+        raise ValueError(f"direct ingress needs an HTTP port in 1..{65535 - DIRECT_INGRESS_PORTS}, got {http_port!r}")
+    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http_port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http_port + DIRECT_INGRESS_PORTS),
+            "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+
+
+def init_local_ray(serving_path: str = "proxy", http_port: int | None = None, **init_kwargs: Any) -> None:
+    """ray.init() of a new local Ray whose every listener is on 127.0.0.1, whose HTTP entry point
+    (the proxy, or with direct ingress the ingress replica) bounds idle and slow connections
+    (deployments/http_guard.py), and whose Serve takes `serving_path` (`serving_path_env`)."""
     from deployments import http_guard
 
     os.environ.update(LOOPBACK_ENV)
+    os.environ.update(serving_path_env(serving_path, http_port))
     os.environ.setdefault(http_guard.CALLBACK_ENV, http_guard.IMPORT_PATH)
     import ray
     from ray._private import ray_constants

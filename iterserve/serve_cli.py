@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -28,6 +29,10 @@ def add_parser(sub: Any) -> None:
                        help='EngineConfig fields as JSON, e.g. \'{"max_num_seqs": 64, "device": "cuda"}\'')
     serve.add_argument("--num-gpus-per-replica", type=float, default=0.0)
     serve.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard")
+    serve.add_argument("--serving-path", choices=("proxy", "direct"), default="proxy",
+                       help="proxy (default): Serve's HTTP proxy on --port; direct: the ingress replica listens on "
+                            "--port itself (Ray Serve's direct ingress: one hop less per token, but an ingress "
+                            "replica that dies is replaced on another port; deployments/local_ray.py)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--replicas must be >= 1")
     if not 0 < args.port < 65536:
         raise ValueError("--port must be in 1..65535")
+    _check_port_free(args.host, args.port)
     from deployments.app_config import AppArgs
 
     engine_args = dict(args.engine_args)
@@ -58,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
     started_s = time.monotonic()
     from deployments.local_ray import init_local_ray
 
-    init_local_ray(include_dashboard=args.dashboard, log_to_driver=True)
+    direct = args.serving_path == "direct"
+    init_local_ray(args.serving_path, args.port if direct else None, include_dashboard=args.dashboard,
+                   log_to_driver=True)
     import ray
     from ray import serve
 
@@ -68,9 +76,11 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        # With direct ingress the proxy still runs; it must not take the port the ingress listens on.
+        proxy_port = _free_port(args.host) if direct else args.port
+        serve.start(http_options={"host": args.host, "port": proxy_port})
         serve.run(build_app(dataclasses.asdict(app_args)), name=APP_NAME, route_prefix="/")
-        _print_ready(args, time.monotonic() - started_s)
+        _print_ready(args, time.monotonic() - started_s, proxy_port)
         while not stop.wait(1.0):
             pass
         print("\niterserve: stopping", flush=True)
@@ -78,6 +88,22 @@ def run(args: argparse.Namespace) -> int:
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """A clear error now, not a server that comes up elsewhere: direct ingress moves to the next
+    port when its own is taken."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"--port {port} on {host} is not free: {exc.strerror}") from None
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -90,13 +116,17 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _print_ready(args: argparse.Namespace, elapsed_s: float) -> None:
-    base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+def _print_ready(args: argparse.Namespace, elapsed_s: float, proxy_port: int | None = None) -> None:
+    """The banner; `proxy_port` is Serve's proxy when it is not on --port (direct ingress)."""
+    host = '127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host
+    base = f"http://{host}:{args.port}"
     # Never the key itself: banners end up in terminal scrollback, CI logs and screenshots.
     auth = ' -H "Authorization: Bearer $ITERSERVE_API_KEY"' if args.api_key else ""
     print(f"\niterserve: ready in {elapsed_s:.0f}s. OpenAI-compatible API at {base}/v1 "
           f"(health {base}/health, metrics {base}/metrics)\n"
           f"  curl {base}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
           f"    -d '{{\"prompt\": \"Continuous batching\", \"max_tokens\": 16}}'\n"
-          f"Ctrl-C stops the server.", flush=True)
+          + (f"Serving path: direct ingress (Serve's proxy is at http://{host}:{proxy_port}; Serve's logs are "
+             f"under /tmp/ray/session_latest/logs/serve).\n" if proxy_port not in (None, args.port) else "")
+          + "Ctrl-C stops the server.", flush=True)
     sys.stdout.flush()

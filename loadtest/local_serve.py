@@ -1,4 +1,4 @@
-"""A local Ray with one Serve HTTP proxy on a free loopback port, for benchmarks and tests."""
+"""A local Ray with Serve on free loopback ports, for benchmarks and tests."""
 
 from __future__ import annotations
 
@@ -11,17 +11,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_local_serve(num_cpus: int | None = None) -> str:
+def free_port_range(count: int, attempts: int = 50) -> int:
+    """The first of `count` consecutive loopback ports that are all free now."""
+    for _ in range(attempts):
+        first = free_port()
+        if first + count <= 65536 and all(_is_free(port) for port in range(first + 1, first + count)):
+            return first
+    raise RuntimeError(f"found no {count} consecutive free ports on 127.0.0.1 in {attempts} tries")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def start_local_serve(num_cpus: int | None = None, serving_path: str = "proxy") -> str:
     """Start Ray (every listener on loopback, no dashboard, workers' logs kept off the driver) and
-    Serve's proxy on 127.0.0.1; return the proxy's base URL. `stop_local_serve` undoes it."""
+    Serve on 127.0.0.1; return the base URL of the first application's HTTP entry point: with
+    the "proxy" serving path (the default, as `iterserve serve` runs) Serve's HTTP proxy, with
+    "direct" its ingress replica's own port (`proxy_url()` finds the proxy either way).
+    `stop_local_serve` undoes it."""
     from ray import serve
 
-    from deployments.local_ray import init_local_ray
+    from deployments.local_ray import DIRECT_INGRESS_PORTS, init_local_ray
 
-    init_local_ray(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    return f"http://127.0.0.1:{port}"
+    direct_port = free_port_range(DIRECT_INGRESS_PORTS) if serving_path == "direct" else None
+    init_local_ray(serving_path, direct_port, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    proxy_port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
+    return f"http://127.0.0.1:{direct_port or proxy_port}"
+
+
+def proxy_url() -> str:
+    """The base URL of the running local Serve's HTTP proxy, which routes by route prefix to every
+    application (with direct ingress each application's ingress has a port of its own)."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    config = ray.get(_get_global_client()._controller.get_http_config.remote())
+    return f"http://{config.host}:{config.port}"
 
 
 def stop_local_serve() -> None:

@@ -1,7 +1,7 @@
 """What the serving path costs a token: the engine alone against the served system, side by side.
 
     python -m loadtest.benchmarks.bench_serving_path [--quick] [--model PATH] [--served process,thread]
-                                          [--peer vllm] [--profile] [--out DIR]
+                                          [--serving-path direct,proxy] [--peer vllm] [--profile] [--out DIR]
 
 One run, on the same requests (random prompt tokens, a fixed output length, EOS ignored):
 
@@ -10,7 +10,8 @@ One run, on the same requests (random prompt tokens, a fixed output length, EOS 
    request at t=0 (useful output tokens/s).
 2. Served, `iterserve`'s Serve application with one replica on a local Ray, over HTTP with the
    streaming load client (loadtest.client), once per `--served` mode (the engine loop in a process
-   of its own, or in a thread of the replica): the light-load arrivals (TTFT, TPOT and
+   of its own, or in a thread of the replica) and `--serving-path` (the ingress replica serving
+   HTTP itself, or Serve's proxy in front of it): the light-load arrivals (TTFT, TPOT and
    ITL p50) and every request at once (output tokens/s). The replica's own TTFT and inter-token
    histograms are scraped before and after each run, and the CPU time of the replica, its engine
    process, the ingress, the HTTP proxy and the client is read from /proc; with `--profile`, py-spy
@@ -25,7 +26,7 @@ TPOT is (E2E - TTFT) / (output tokens - 1), vLLM's definition, and ITL the gap b
 chunks. The last line printed is one JSON object: offline_decode_step_ms, offline_tpot_p50_ms,
 offline_tokens_per_s, http_ttft_p50_ms, http_tpot_p50_ms, http_itl_p50_ms, http_tokens_per_s, the
 ratios tpot_over_step (HTTP TPOT over the batch-1 step) and http_over_offline_throughput; a second
-served mode's figures prefixed with its name, the peer's with `vllm_`, and ours over the peer's
+served mode's or serving path's figures prefixed with its name (`thread_`, `proxy_`), the peer's with `vllm_`, and ours over the peer's
 (ttft_p50_over_vllm, tpot_p50_over_vllm, itl_p50_over_vllm, tokens_per_s_over_vllm).
 """
 
@@ -45,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from deployments.local_ray import SERVING_PATHS
 from loadtest import workloads as wl
 from loadtest.bench_cli import summary_line, token_pool
 from loadtest.client import ClientConfig, run_load
@@ -81,6 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated: 'process' (the engine loop in a process of its own, the default "
                         "deployment) and/or 'thread' (the engine loop in a thread of the replica's process, "
                         "EngineConfig.engine_process false), each served and measured in turn")
+    p.add_argument("--serving-path", default="proxy",
+                   help="comma-separated: 'proxy' (Serve's HTTP proxy in front of the ingress, as `iterserve serve` "
+                        "runs by default) and/or 'direct' (the ingress replica serves HTTP itself); with --served, "
+                        "every combination is served and measured in turn")
     p.add_argument("--peer", choices=("vllm",), default=None,
                    help="also serve the same checkpoint with vLLM's CPU build (installed once into its own "
                         "environment under the model cache) and drive it with the same client and requests")
@@ -107,6 +113,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.served = [mode.strip() for mode in args.served.split(",") if mode.strip()]
     if not args.served or set(args.served) - set(SERVED_MODES) or len(set(args.served)) != len(args.served):
         p.error(f"--served takes distinct modes among {', '.join(SERVED_MODES)}, got {args.served}")
+    args.serving_path = [path.strip() for path in args.serving_path.split(",") if path.strip()]
+    if (not args.serving_path or set(args.serving_path) - set(SERVING_PATHS)
+            or len(set(args.serving_path)) != len(args.serving_path)):
+        p.error(f"--serving-path takes distinct paths among {', '.join(SERVING_PATHS)}, got {args.serving_path}")
     return args
 
 
@@ -167,14 +177,22 @@ def offline(args: argparse.Namespace, burst: list[BenchRequest], light: list[Ben
     }
 
 
+def served_label(args: argparse.Namespace, mode: str, path: str) -> str:
+    """'' for the first served mode on the first serving path (the headline figures); else what
+    differs from it ('thread', 'proxy', 'thread_proxy'), which prefixes its figures."""
+    parts = [mode if mode != args.served[0] else "", path if path != args.serving_path[0] else ""]
+    return "_".join(part for part in parts if part)
+
+
 def served(args: argparse.Namespace, burst: list[BenchRequest], light: list[BenchRequest],
-           mode: str = "process") -> dict[str, Any]:
+           mode: str = "process", path: str = "proxy") -> dict[str, Any]:
     """The same requests over HTTP: the light load, then the burst, with a warm-up before."""
     from ray import serve
 
     from deployments.app import build_app
 
-    base = start_local_serve()
+    label = f"{mode}-{path}"
+    base = start_local_serve(serving_path=path)
     try:
         engine_args = {**_engine_args(args), "engine_process": mode == "process"}
         app_args = {"model": args.model, "engine_args": engine_args, "num_replicas": 1,
@@ -184,11 +202,11 @@ def served(args: argparse.Namespace, burst: list[BenchRequest], light: list[Benc
                                           "queue_timeout_s": 1e9}}
         started_s = time.monotonic()
         serve.run(build_app(app_args), name="iterserve", route_prefix="/")
-        print(f"server up in {time.monotonic() - started_s:.0f} s at {base}", flush=True)
+        print(f"server up in {time.monotonic() - started_s:.0f} s at {base} ({path} serving path)", flush=True)
         config = ClientConfig(base, sample_interval_s=0)
         _warm_up(config, burst)
         # CPU per process always (it reads /proc); py-spy's samples with --profile.
-        profiler = Profiler(args.out / mode, sample=args.profile)
+        profiler = Profiler(args.out / label, sample=args.profile)
         runs = {}
         for name, workload in (("light", light), ("burst", burst)):
             profiler.start(name, duration_s=_expected_s(name, workload, args))
@@ -199,12 +217,12 @@ def served(args: argparse.Namespace, burst: list[BenchRequest], light: list[Benc
             runs[name] = {"summary": summarize(load.results, SLO()), "results": load.results,
                           "engine_side": {k: _delta_mean(before, after, k) for k in before}}
             _check_all_ok(name, load.results)
-            print(summary_line({"label": f"served ({mode}) {name}", "summary": runs[name]["summary"]}), flush=True)
+            print(summary_line({"label": f"served ({label}) {name}", "summary": runs[name]["summary"]}), flush=True)
         runs["profile"] = profiler.report()
-        if args.vllm_client:
+        if args.vllm_client and (mode, path) == (args.served[0], args.serving_path[0]):
             from model_worker.checkpoints.models import served_name
 
-            runs["vllm_client"] = vllm_client_runs(args, base, served_name(args.model), f"ours-{mode}")
+            runs["vllm_client"] = vllm_client_runs(args, base, served_name(args.model), f"ours-{label}")
         return runs
     finally:
         stop_local_serve()
@@ -497,19 +515,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"offline: decode step {off['decode_step_ms']:.1f} ms at batch 1; "
           f"{off['tokens_per_s']:.1f} tok/s with {len(burst)} at once; "
           f"TPOT p50 {off['light']['tpot_s']['p50'] * 1000:.1f} ms at {args.rate:g} req/s", flush=True)
-    http = {mode: served(args, burst, light, mode) for mode in args.served}
-    figures = headline(off, http[args.served[0]])
-    for mode in args.served[1:]:
-        figures.update(served_figures(off, http[mode], prefix=f"{mode}_"))
+    http = {served_label(args, mode, path): served(args, burst, light, mode, path)
+            for mode in args.served for path in args.serving_path}
+    figures = headline(off, http[""])
+    for label in list(http)[1:]:
+        figures.update(served_figures(off, http[label], prefix=f"{label}_"))
     if args.peer == "vllm":
         peer = peer_vllm(args, burst, light)
         figures.update(served_figures(off, peer, prefix="vllm_"))
         figures.update(versus_peer(figures, "vllm"))
         if args.vllm_client:
-            figures["vllm_client"] = vllm_client_figures(http[args.served[0]]["vllm_client"], peer["vllm_client"])
+            figures["vllm_client"] = vllm_client_figures(http[""]["vllm_client"], peer["vllm_client"])
     figures["config"] = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
                          "max_decode_slowdown": args.max_decode_slowdown,
-                         "served": args.served, "num_requests": args.num_requests, "rate": args.rate, "rate_requests": args.rate_requests,
+                         "served": args.served, "serving_path": args.serving_path, "num_requests": args.num_requests, "rate": args.rate, "rate_requests": args.rate_requests,
                          "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                          "cpu_count": os.cpu_count(), "total_s": time.monotonic() - started_s}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from loadtest.local_serve import start_local_serve, stop_local_serve
+from loadtest.local_serve import proxy_url, start_local_serve, stop_local_serve
 
 pytestmark = pytest.mark.integration
 
@@ -216,7 +216,8 @@ def test_not_ready_answers_503_until_a_replica_exists(app):
     # serve.run would wait for the application to be running, which it never will be.
     app.serve._run(app.build_app(args), name="pending", route_prefix="/pending", _blocking=False)
     try:
-        with httpx.Client(base_url=f"{app.base}/pending", timeout=60) as c:
+        # Serve's proxy routes by prefix; with direct ingress each application has a port of its own.
+        with httpx.Client(base_url=f"{proxy_url()}/pending", timeout=60) as c:
             deadline = time.monotonic() + 90
             while (health := c.get("/health")).status_code == 404:  # until the ingress is up
                 assert time.monotonic() < deadline

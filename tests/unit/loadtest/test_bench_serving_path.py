@@ -52,3 +52,16 @@ def test_served_modes_are_checked_and_kept_in_order():
     for bad in ("gpu", "process,process", ","):
         with pytest.raises(SystemExit):
             parse_args(["--served", bad])
+
+
+def test_serving_paths_are_checked_and_each_combination_gets_its_own_prefix():
+    from loadtest.benchmarks.bench_serving_path import parse_args, served_label
+
+    args = parse_args(["--served", "process,thread", "--serving-path", "proxy,direct"])
+    assert args.serving_path == ["proxy", "direct"]
+    assert parse_args([]).serving_path == ["proxy"]
+    labels = [served_label(args, mode, path) for mode in args.served for path in args.serving_path]
+    assert labels == ["", "direct", "thread", "thread_direct"]
+    for bad in ("", "direct,direct", "haproxy"):
+        with pytest.raises(SystemExit):
+            parse_args(["--serving-path", bad])
