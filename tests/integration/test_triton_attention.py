@@ -166,8 +166,16 @@ def test_build_tiles():
 
 
 def test_backend_choice(monkeypatch):
+    from model_worker.runner.cpu_kernels import ops
+
     cpu = torch.device("cpu")
+    # On CPU "auto" is our kernels where they build here (CI builds them), else torch.
+    assert create_attention_backend("auto", cpu, torch.float32, 16).name == "cpu"
+    assert create_attention_backend("torch", cpu, torch.bfloat16, 16).name == "torch"
+    monkeypatch.setattr(ops, "kernels", lambda: None)
     assert create_attention_backend("auto", cpu, torch.float32, 16).name == "torch"
+    with pytest.raises(ValueError, match="CPU kernels"):
+        create_attention_backend("cpu", cpu, torch.float32, 16)
     assert create_attention_backend("triton", cpu, torch.float32, 16).name == "triton"  # interpreted here
     monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="needs a CUDA device"):

@@ -46,6 +46,9 @@ class StepLayout:
 
 class AttentionBackend(ABC):
     name: str
+    # Whether forward_qkv is implemented: the rotary embedding, the cache write and attention in
+    # one call on the raw q/k/v projection (the CPU backend's kernels).
+    fuses_rotary: bool = False
 
     @abstractmethod
     def prepare(self, layout: StepLayout, device: torch.device) -> Any:
@@ -55,6 +58,12 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: Any, scale: float) -> torch.Tensor:
         """q (T, num_heads, head_dim); k, v (T, num_kv_heads, head_dim) -> (T, num_heads, head_dim)."""
+
+    def forward_qkv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: Any,
+                    scale: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qkv (T, (num_heads + 2 * num_kv_heads) * head_dim), q and k not yet rotated; cos, sin
+        (max_len, head_dim) float32 -> (T, num_heads, head_dim). Only where fuses_rotary is True."""
+        raise NotImplementedError(f"the {self.name} backend does not fuse the rotary embedding")
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

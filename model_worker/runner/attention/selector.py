@@ -9,20 +9,22 @@ from __future__ import annotations
 import torch
 
 from model_worker.runner.attention.base import AttentionBackend
+from model_worker.runner.attention.cpu_backend import CpuAttentionBackend
 from model_worker.runner.attention.flash_attn_backend import (FLASH_ATTN_DTYPES, FlashAttentionBackend,
                                                               flash_attn_available)
 from model_worker.runner.attention.torch_backend import TorchAttentionBackend
 from model_worker.runner.attention.triton_backend import TritonAttentionBackend
 from model_worker.runner.attention.triton_kernels import triton_available
 
-ATTENTION_BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
+ATTENTION_BACKEND_NAMES = ("auto", "cpu", "torch", "triton", "flash_attn")
 
 
 def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
                              block_size: int) -> AttentionBackend:
     """"auto" on CUDA: flash-attn where it reads the paged cache in place (half precision, a block
     size that is a multiple of 256), else our Triton kernels, else flash-attn gathering K/V, else
-    torch. On CPU: torch (Triton runs on CPU only under its interpreter, for tests)."""
+    torch. On CPU: our CPU kernels where they build here (float32 and bfloat16), else torch (Triton
+    runs on CPU only under its interpreter, for tests)."""
     if name not in ATTENTION_BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_NAMES)}; got {name!r}")
     if name == "auto":
@@ -31,8 +33,15 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
             name = "flash_attn"
         elif device.type == "cuda" and triton_available():
             name = "triton"
+        elif device.type == "cpu" and CpuAttentionBackend.available(dtype):
+            name = "cpu"
         else:
             name = "flash_attn" if flash else "torch"
+    if name == "cpu":
+        if device.type != "cpu" or not CpuAttentionBackend.available(dtype):
+            raise ValueError(f"attention_backend 'cpu' needs the CPU, float32 or bfloat16 and the CPU kernels "
+                             f"built (a C++ compiler); got {device.type}, {dtype}")
+        return CpuAttentionBackend()
     if name == "triton":
         return TritonAttentionBackend(device)
     if name == "flash_attn":

@@ -107,7 +107,7 @@ class TorchAttentionBackend(AttentionBackend):
             for start, end in split_decode_groups(num_blocks):
                 groups.append(self._decode_group(layout, decode_rows[start:end], context_lens[start:end],
                                                  int(num_blocks[end - 1]), device))
-        prefills = [self._prefill_chunk(layout, row, device) for row in np.flatnonzero(query_lens > 1)]
+        prefills = prefill_chunks(layout, device)
         return TorchAttentionMetadata(slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
                                       decode_groups=groups, prefills=prefills)
 
@@ -121,18 +121,6 @@ class TorchAttentionBackend(AttentionBackend):
                            block_ids=torch.from_numpy(block_ids.reshape(-1)).to(device),
                            mask=torch.from_numpy(mask).to(device).view(len(rows), 1, 1, padded_len))
 
-    @staticmethod
-    def _prefill_chunk(layout: StepLayout, row: int, device: torch.device) -> PrefillChunk:
-        token_start, token_end = int(layout.query_starts[row]), int(layout.query_starts[row + 1])
-        start, context_len = int(layout.start_positions[row]), int(layout.context_lens[row])
-        if start == 0:
-            return PrefillChunk(token_start, token_end, context_len, None, None)
-        block_ids = np.ascontiguousarray(layout.block_tables[row, : -(-context_len // layout.block_size)])
-        query_positions = np.arange(start, context_len)
-        mask = np.arange(context_len)[None, :] <= query_positions[:, None]  # (query_len, context_len)
-        return PrefillChunk(token_start, token_end, context_len, torch.from_numpy(block_ids).to(device),
-                            torch.from_numpy(mask).to(device))
-
     def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale):
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
@@ -140,7 +128,7 @@ class TorchAttentionBackend(AttentionBackend):
             decode_q = q.index_select(0, group.token_indices)
             out.index_copy_(0, group.token_indices, self._decode(decode_q, k_cache, v_cache, group, scale))
         for chunk in metadata.prefills:
-            out[chunk.token_start:chunk.token_end] = self._prefill(q, k, v, k_cache, v_cache, chunk, scale)
+            out[chunk.token_start:chunk.token_end] = prefill_attention(q, k, v, k_cache, v_cache, chunk, scale)
         return out
 
     def _decode(self, q, k_cache, v_cache, group: DecodeGroup, scale) -> torch.Tensor:
@@ -160,27 +148,46 @@ class TorchAttentionBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=group.mask, scale=scale)
         return out.reshape(num_decodes, num_heads, head_dim)
 
-    @staticmethod
-    def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale) -> torch.Tensor:
-        num_heads, head_dim = q.shape[1:]
-        num_kv_heads = k_cache.shape[2]
-        group = num_heads // num_kv_heads
-        query_len = chunk.token_end - chunk.token_start
-        if chunk.context_block_ids is None:
-            keys = k[chunk.token_start:chunk.token_end]  # (context_len, num_kv_heads, head_dim)
-            values = v[chunk.token_start:chunk.token_end]
-        else:
-            keys = k_cache.index_select(0, chunk.context_block_ids).view(-1, num_kv_heads, head_dim)[:chunk.context_len]
-            values = v_cache.index_select(0, chunk.context_block_ids).view(-1, num_kv_heads, head_dim)[:chunk.context_len]
-        # GQA as a (num_kv_heads, group) batch with K/V expanded along group as a stride-0 view:
-        # CPU SDPA then takes its flash kernel, about twice as fast as enable_gqa's math path.
-        # Query head h uses kv head h // group, as transformers' repeat_kv does.
-        query = q[chunk.token_start:chunk.token_end].view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        shape = (num_kv_heads, group, chunk.context_len, head_dim)
-        keys = keys.transpose(0, 1).unsqueeze(1).expand(shape)
-        values = values.transpose(0, 1).unsqueeze(1).expand(shape)
-        if chunk.mask is None:
-            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
-        else:
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask, scale=scale)
-        return out.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
+
+def prefill_chunks(layout: StepLayout, device: torch.device) -> list[PrefillChunk]:
+    """A PrefillChunk for every sequence of the step with more than one query token."""
+    return [prefill_chunk(layout, int(row), device) for row in np.flatnonzero(layout.query_lens > 1)]
+
+
+def prefill_chunk(layout: StepLayout, row: int, device: torch.device) -> PrefillChunk:
+    """The chunk of sequence `row` (more than one query token) of a step."""
+    token_start, token_end = int(layout.query_starts[row]), int(layout.query_starts[row + 1])
+    start, context_len = int(layout.start_positions[row]), int(layout.context_lens[row])
+    if start == 0:
+        return PrefillChunk(token_start, token_end, context_len, None, None)
+    block_ids = np.ascontiguousarray(layout.block_tables[row, : -(-context_len // layout.block_size)])
+    query_positions = np.arange(start, context_len)
+    mask = np.arange(context_len)[None, :] <= query_positions[:, None]  # (query_len, context_len)
+    return PrefillChunk(token_start, token_end, context_len, torch.from_numpy(block_ids).to(device),
+                        torch.from_numpy(mask).to(device))
+
+
+def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale) -> torch.Tensor:
+    """Attention of one prefill chunk's queries: (query_len, num_heads, head_dim)."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    query_len = chunk.token_end - chunk.token_start
+    if chunk.context_block_ids is None:
+        keys = k[chunk.token_start:chunk.token_end]  # (context_len, num_kv_heads, head_dim)
+        values = v[chunk.token_start:chunk.token_end]
+    else:
+        keys = k_cache.index_select(0, chunk.context_block_ids).view(-1, num_kv_heads, head_dim)[:chunk.context_len]
+        values = v_cache.index_select(0, chunk.context_block_ids).view(-1, num_kv_heads, head_dim)[:chunk.context_len]
+    # GQA as a (num_kv_heads, group) batch with K/V expanded along group as a stride-0 view:
+    # CPU SDPA then takes its flash kernel, about twice as fast as enable_gqa's math path.
+    # Query head h uses kv head h // group, as transformers' repeat_kv does.
+    query = q[chunk.token_start:chunk.token_end].view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    shape = (num_kv_heads, group, chunk.context_len, head_dim)
+    keys = keys.transpose(0, 1).unsqueeze(1).expand(shape)
+    values = values.transpose(0, 1).unsqueeze(1).expand(shape)
+    if chunk.mask is None:
+        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)

@@ -1,0 +1,576 @@
+// CPU kernels of the decoder's hot path, called through ctypes (model_worker/runner/cpu_kernels/ops.py).
+//
+// Plain C++ with no torch headers, so a build takes about a second. Tensors arrive as pointers and
+// element strides; every entry point exists for float32 ("_f32") and bfloat16 ("_bf16", raw uint16
+// bits), and computes in float32. Parallel loops use OpenMP: the library links libgomp.so.1, the
+// soname torch's own OpenMP runtime is loaded under, so both share one thread team (ops.py loads
+// this library only after torch).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using bf16 = uint16_t;
+
+// Rows of at least this many elements in all are worth a parallel region; below it this thread
+// does them without entering OpenMP at all (even an `if (false)` region costs the calling thread a
+// few microseconds beside a spinning team, and a decode step's rows are a few hundred elements).
+constexpr int64_t kParallelElements = 1 << 15;
+
+// body(i) for i in [0, n): across the thread team when `parallel`, else on this thread alone.
+template <typename Body>
+void for_each_index(int64_t n, bool parallel, const Body& body) {
+  if (!parallel) {
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) body(i);
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename T> inline T from_float(float x);
+template <> inline float from_float<float>(float x) { return x; }
+// Round to nearest even, as torch's float -> bfloat16 conversion does; NaN stays a quiet NaN.
+template <> inline bf16 from_float<bf16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<bf16>(bits >> 16);
+}
+
+#if defined(__AVX512F__)
+// 16 floats from 16 elements at p.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// 16 floats to 16 elements at p, rounded as from_float rounds each.
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// e^x to about 2 ulp for x in [-87, 88] (clamped to it): x = n ln2 + r with |r| <= ln2 / 2, e^r by
+// a degree-6 polynomial, times 2^n by scalef.
+inline __m512 exp_clamped(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Lane j of the result is the sum of the 16 lanes of v[j].
+inline __m512 reduce16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int j = 0; j < 8; ++j)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: the lane's sums of four vectors
+    const __m512d a = _mm512_castps_pd(pairs[2 * j]), b = _mm512_castps_pd(pairs[2 * j + 1]);
+    quads[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// DecodePart::run for G query heads per kv head and head_dim = 16 * C, with the group's queries and
+// accumulators in registers: per kv head, the scores of 16 positions at a time (their 16 dot
+// products summed across lanes together), then the exponentials, then V weighted by them.
+template <typename T, int G, int C>
+void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* blocks, int64_t num_kv_heads,
+                        int64_t block_size, const float* query, int64_t begin, int64_t end, float* scores,
+                        float* row_max, float* denom, float* acc) {
+  constexpr int64_t D = 16 * C;
+  const int64_t len = end - begin, slot_stride = num_kv_heads * D;
+  auto slot = [&](const T* cache, int64_t pos) {
+    return cache + (blocks[pos / block_size] * block_size + pos % block_size) * slot_stride;
+  };
+  for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+    __m512 q[G][C];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(query + (kv * G + g) * D + 16 * c);
+    __m512 max[G];
+    for (int g = 0; g < G; ++g) max[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t tile = begin; tile < end; tile += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, end - tile));
+      __m512 dots[G][16];
+      for (int p = 0; p < 16; ++p) {
+        if (p >= n) {
+          for (int g = 0; g < G; ++g) dots[g][p] = _mm512_setzero_ps();
+          continue;
+        }
+        const T* k = slot(k_cache, tile + p) + kv * D;
+        __m512 kc[C];
+        for (int c = 0; c < C; ++c) kc[c] = load16(k + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          __m512 sum = _mm512_mul_ps(q[g][0], kc[0]);
+          for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(q[g][c], kc[c], sum);
+          dots[g][p] = sum;
+        }
+      }
+      const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xffffu : (1u << n) - 1u);
+      for (int g = 0; g < G; ++g) {
+        const __m512 s = reduce16(dots[g]);
+        _mm512_mask_storeu_ps(scores + (kv * G + g) * len + (tile - begin), valid, s);
+        max[g] = _mm512_mask_max_ps(max[g], valid, max[g], s);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const int64_t h = kv * G + g;
+      float* sh = scores + h * len;
+      row_max[h] = _mm512_reduce_max_ps(max[g]);
+      const __m512 m = _mm512_set1_ps(row_max[h]);
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t i = 0; i < len; i += 16) {
+        const __mmask16 valid = static_cast<__mmask16>(len - i >= 16 ? 0xffffu : (1u << (len - i)) - 1u);
+        const __m512 e = _mm512_maskz_mov_ps(valid, exp_clamped(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sh + i), m)));
+        _mm512_mask_storeu_ps(sh + i, valid, e);
+        total = _mm512_add_ps(total, e);
+      }
+      denom[h] = _mm512_reduce_add_ps(total);
+    }
+    __m512 out[G][C];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) out[g][c] = _mm512_setzero_ps();
+    for (int64_t pos = begin; pos < end; ++pos) {
+      const T* v = slot(v_cache, pos) + kv * D;
+      __m512 vc[C];
+      for (int c = 0; c < C; ++c) vc[c] = load16(v + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[(kv * G + g) * len + pos - begin]);
+        for (int c = 0; c < C; ++c) out[g][c] = _mm512_fmadd_ps(p, vc[c], out[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (kv * G + g) * D + 16 * c, out[g][c]);
+  }
+}
+
+template <typename T>
+using DecodePartFn = void (*)(const T*, const T*, const int64_t*, int64_t, int64_t, const float*, int64_t, int64_t,
+                              float*, float*, float*, float*);
+
+// The register-resident variant for this head shape, or nullptr.
+template <typename T>
+DecodePartFn<T> decode_part_for(int64_t group, int64_t head_dim) {
+#define ITERSERVE_CASE(G, C) \
+  if (group == G && head_dim == 16 * C) return decode_part_avx512<T, G, C>;
+  ITERSERVE_CASE(1, 4) ITERSERVE_CASE(2, 4) ITERSERVE_CASE(3, 4) ITERSERVE_CASE(4, 4) ITERSERVE_CASE(6, 4)
+  ITERSERVE_CASE(8, 4) ITERSERVE_CASE(1, 8) ITERSERVE_CASE(2, 8) ITERSERVE_CASE(4, 8) ITERSERVE_CASE(8, 8)
+#undef ITERSERVE_CASE
+  return nullptr;
+}
+#endif
+
+// One (row, position range) of decode attention: for each query head, the scores of the range's
+// positions, their maximum, the sum of their exponentials and the exponential-weighted sum of V.
+// Every K and V slot of the range is read once, whole (all kv heads: contiguous in the cache), and
+// converted once for the query heads that share it.
+template <typename T>
+struct DecodePart {
+  const T* k_cache;
+  const T* v_cache;
+  const int64_t* blocks;
+  int64_t num_heads, num_kv_heads, head_dim, block_size;
+
+  const T* slot(const T* cache, int64_t pos) const {
+    return cache + (blocks[pos / block_size] * block_size + pos % block_size) * num_kv_heads * head_dim;
+  }
+
+  // query: (num_heads, head_dim) scaled floats; scores: (num_heads, end - begin) scratch; row:
+  // (num_kv_heads * head_dim) scratch; writes row_max, denom (num_heads) and acc (num_heads, head_dim).
+  void run(const float* query, int64_t begin, int64_t end, float* scores, float* row, float* row_max, float* denom,
+           float* acc) const {
+    const int64_t len = end - begin, group = num_heads / num_kv_heads, width = num_kv_heads * head_dim;
+#if defined(__AVX512F__)
+    if (const DecodePartFn<T> fast = decode_part_for<T>(group, head_dim)) {
+      fast(k_cache, v_cache, blocks, num_kv_heads, block_size, query, begin, end, scores, row_max, denom, acc);
+      return;
+    }
+#endif
+    for (int64_t h = 0; h < num_heads; ++h) row_max[h] = -std::numeric_limits<float>::infinity();
+    std::fill(acc, acc + num_heads * head_dim, 0.f);
+#if defined(__AVX512F__)
+    if (head_dim % 16 == 0) {
+      const int64_t chunks = head_dim / 16;
+      for (int64_t pos = begin; pos < end; ++pos) {
+        const T* k = slot(k_cache, pos);
+        for (int64_t c = 0; c < width / 16; ++c) _mm512_storeu_ps(row + 16 * c, load16(k + 16 * c));
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float* qh = query + h * head_dim;
+          const float* kh = row + (h / group) * head_dim;
+          __m512 sum = _mm512_mul_ps(load16(qh), load16(kh));
+          for (int64_t c = 1; c < chunks; ++c) sum = _mm512_fmadd_ps(load16(qh + 16 * c), load16(kh + 16 * c), sum);
+          const float s = _mm512_reduce_add_ps(sum);
+          scores[h * len + pos - begin] = s;
+          row_max[h] = s > row_max[h] ? s : row_max[h];
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* sh = scores + h * len;
+        const __m512 max = _mm512_set1_ps(row_max[h]);
+        __m512 total = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= len; i += 16) {
+          const __m512 e = exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(sh + i), max));
+          _mm512_storeu_ps(sh + i, e);
+          total = _mm512_add_ps(total, e);
+        }
+        if (i < len) {
+          const __mmask16 tail = static_cast<__mmask16>((1u << (len - i)) - 1u);
+          const __m512 e = exp_clamped(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sh + i), max));
+          _mm512_mask_storeu_ps(sh + i, tail, e);
+          total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
+        }
+        denom[h] = _mm512_reduce_add_ps(total);
+      }
+      for (int64_t pos = begin; pos < end; ++pos) {
+        const T* v = slot(v_cache, pos);
+        for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+          for (int64_t c = 0; c < chunks; ++c) {
+            const __m512 vc = load16(v + kv * head_dim + 16 * c);
+            for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+              float* a = acc + h * head_dim + 16 * c;
+              _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[h * len + pos - begin]), vc, _mm512_loadu_ps(a)));
+            }
+          }
+        }
+      }
+      return;
+    }
+#endif
+    for (int64_t pos = begin; pos < end; ++pos) {
+      const T* k = slot(k_cache, pos);
+      for (int64_t e = 0; e < width; ++e) row[e] = to_float(k[e]);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float* qh = query + h * head_dim;
+        const float* kh = row + (h / group) * head_dim;
+        float s = 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * kh[d];
+        scores[h * len + pos - begin] = s;
+        row_max[h] = s > row_max[h] ? s : row_max[h];
+      }
+    }
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* sh = scores + h * len;
+      float total = 0.f;
+      for (int64_t i = 0; i < len; ++i) {
+        sh[i] = std::exp(sh[i] - row_max[h]);
+        total += sh[i];
+      }
+      denom[h] = total;
+    }
+    for (int64_t pos = begin; pos < end; ++pos) {
+      const T* v = slot(v_cache, pos);
+      for (int64_t e = 0; e < width; ++e) row[e] = to_float(v[e]);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float p = scores[h * len + pos - begin];
+        const float* vh = row + (h / group) * head_dim;
+        float* a = acc + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
+      }
+    }
+  }
+};
+
+// Decode attention over the paged cache, read in place: one query token per row, and for each of
+// its query heads a softmax over every cached position of its sequence, the K/V of query head h
+// being those of kv head h / (num_heads / num_kv_heads), as transformers' repeat_kv assigns them.
+// A row's context is cut into parts of at most split_len positions, so that a few long rows still
+// keep every thread busy; the parts of a row are combined by their maxima (flash-decoding).
+template <typename T>
+void decode_attention(const T* q, int64_t q_token_stride, const T* k_cache, const T* v_cache,
+                      const int64_t* token_rows, const int64_t* block_tables, int64_t block_table_stride,
+                      const int64_t* context_lens, T* out, int64_t out_token_stride, int64_t num_rows,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                      int64_t split_len) {
+  // Part p of row i covers [p * split_len, min((p + 1) * split_len, context_len)).
+  std::vector<int64_t> first_part(num_rows + 1, 0);
+  for (int64_t i = 0; i < num_rows; ++i) first_part[i + 1] = first_part[i] + (context_lens[i] + split_len - 1) / split_len;
+  const int64_t num_parts = first_part[num_rows];
+  // Per part: the max and denominator of each head, then its accumulator; only split rows use it.
+  const int64_t part_floats = num_heads * (2 + head_dim);
+  std::vector<float> partials(num_parts > num_rows ? num_parts * part_floats : 0);
+  // One thread's scratch: the scaled query, a converted cache row, the scores of a part, and the
+  // result of a part that is its row's whole context (the merge reuses `query` as its accumulator).
+  struct Scratch {
+    std::vector<float> query, row, scores, own;
+  };
+  auto make_scratch = [&] {
+    return Scratch{std::vector<float>(num_heads * head_dim), std::vector<float>(num_kv_heads * head_dim),
+                   std::vector<float>(num_heads * split_len), std::vector<float>(part_floats)};
+  };
+  auto run_part = [&](int64_t part, Scratch& scratch) {
+    const int64_t i = std::upper_bound(first_part.begin(), first_part.end(), part) - first_part.begin() - 1;
+    const int64_t begin = (part - first_part[i]) * split_len;
+    const int64_t end = std::min(begin + split_len, context_lens[i]);
+    const bool whole = first_part[i + 1] - first_part[i] == 1;
+    const T* q_row = q + token_rows[i] * q_token_stride;
+    for (int64_t e = 0; e < num_heads * head_dim; ++e) scratch.query[e] = to_float(q_row[e]) * scale;
+    float* result = whole ? scratch.own.data() : partials.data() + part * part_floats;
+    DecodePart<T>{k_cache, v_cache, block_tables + i * block_table_stride, num_heads, num_kv_heads, head_dim,
+                  block_size}
+        .run(scratch.query.data(), begin, end, scratch.scores.data(), scratch.row.data(), result,
+             result + num_heads, result + 2 * num_heads);
+    if (whole) {
+      T* o_row = out + token_rows[i] * out_token_stride;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float inv = 1.f / result[num_heads + h];
+        const float* a = result + 2 * num_heads + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o_row[h * head_dim + d] = from_float<T>(a[d] * inv);
+      }
+    }
+  };
+  auto merge_row = [&](int64_t i, Scratch& scratch) {
+    if (first_part[i + 1] - first_part[i] == 1) return;
+    T* o_row = out + token_rows[i] * out_token_stride;
+    float* combined = scratch.query.data();
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float max = -std::numeric_limits<float>::infinity();
+      for (int64_t part = first_part[i]; part < first_part[i + 1]; ++part)
+        max = std::max(max, partials[part * part_floats + h]);
+      float denom = 0.f;
+      std::fill(combined, combined + head_dim, 0.f);
+      for (int64_t part = first_part[i]; part < first_part[i + 1]; ++part) {
+        const float* p = partials.data() + part * part_floats;
+        const float weight = std::exp(p[h] - max);
+        denom += weight * p[num_heads + h];
+        const float* a = p + 2 * num_heads + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) combined[d] += weight * a[d];
+      }
+      for (int64_t d = 0; d < head_dim; ++d) o_row[h * head_dim + d] = from_float<T>(combined[d] / denom);
+    }
+  };
+  if (num_parts < 2) {  // one part: this thread alone, no parallel region to enter
+    Scratch scratch = make_scratch();
+    for (int64_t part = 0; part < num_parts; ++part) run_part(part, scratch);
+    return;
+  }
+#pragma omp parallel
+  {
+    Scratch scratch = make_scratch();
+#pragma omp for schedule(static)
+    for (int64_t part = 0; part < num_parts; ++part) run_part(part, scratch);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < num_rows; ++i) merge_row(i, scratch);
+  }
+}
+
+
+// RMSNorm of each row as transformers computes it: the mean square in float32, x * rsqrt(ms + eps)
+// rounded to the model dtype, then times the weight, rounded again.
+template <typename T>
+void rms_norm(const T* x, int64_t x_row_stride, const T* weight, T* out, int64_t rows, int64_t width, float eps) {
+  for_each_index(rows, rows * width >= kParallelElements, [&](int64_t r) {
+    const T* xr = x + r * x_row_stride;
+    T* o = out + r * width;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t e = 0; e < width; ++e) sum += to_float(xr[e]) * to_float(xr[e]);
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
+#pragma omp simd
+    for (int64_t e = 0; e < width; ++e)
+      o[e] = from_float<T>(to_float(weight[e]) * to_float(from_float<T>(to_float(xr[e]) * inv)));
+  });
+}
+
+// Rotary embedding of q and k in place, and k and v into the paged cache. qkv: (T, row stride),
+// each row q (num_heads * head_dim), then k, then v (num_kv_heads * head_dim each); cos, sin:
+// (max_len, head_dim) float32 tables; the rotation pairs element e with e + head_dim / 2, as
+// transformers' rotate_half does, in float32, rounded once. Token t's k and v go to slot
+// slots[t] of the caches (num_slots, num_kv_heads * head_dim).
+template <typename T>
+void rotary_and_cache(T* qkv, int64_t qkv_row_stride, const int64_t* positions, const float* cos, const float* sin,
+                      const int64_t* slots, T* k_cache, T* v_cache, int64_t tokens, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2, kv_width = num_kv_heads * head_dim;
+  for_each_index(tokens, tokens * (num_heads + 2 * num_kv_heads) * head_dim >= kParallelElements, [&](int64_t t) {
+    T* row = qkv + t * qkv_row_stride;
+    const float* c = cos + positions[t] * head_dim;
+    const float* s = sin + positions[t] * head_dim;
+    for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+      T* x = row + h * head_dim;
+#pragma omp simd
+      for (int64_t e = 0; e < half; ++e) {
+        const float lo = to_float(x[e]), hi = to_float(x[e + half]);
+        x[e] = from_float<T>(lo * c[e] - hi * s[e]);
+        x[e + half] = from_float<T>(hi * c[e + half] + lo * s[e + half]);
+      }
+    }
+    const T* k = row + num_heads * head_dim;
+    std::memcpy(k_cache + slots[t] * kv_width, k, kv_width * sizeof(T));
+    std::memcpy(v_cache + slots[t] * kv_width, k + kv_width, kv_width * sizeof(T));
+  });
+}
+
+// SiLU(gate) * up of each row of x (rows, 2 * width): gate the first half, up the second, in
+// float32, rounded once.
+template <typename T>
+void silu_and_mul(const T* x, int64_t x_row_stride, T* out, int64_t rows, int64_t width) {
+  for_each_index(rows, rows * width >= kParallelElements, [&](int64_t r) {
+    const T* gate = x + r * x_row_stride;
+    const T* up = gate + width;
+    T* o = out + r * width;
+    int64_t e = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; e + 16 <= width; e += 16) {
+      const __m512 g = load16(gate + e);
+      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_clamped(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      store16(o + e, _mm512_mul_ps(silu, load16(up + e)));
+    }
+#endif
+    for (; e < width; ++e) {
+      const float g = to_float(gate[e]);
+      o[e] = from_float<T>(g / (1.f + std::exp(-g)) * to_float(up[e]));
+    }
+  });
+}
+
+// The index of each row's largest value (the first of equal ones), as torch.argmax returns it.
+template <typename T>
+void argmax_rows(const T* x, int64_t row_stride, int64_t rows, int64_t width, int64_t* out) {
+  for_each_index(rows, rows >= 2 && rows * width >= kParallelElements, [&](int64_t r) {
+    const T* xr = x + r * row_stride;
+#if defined(__AVX512F__)
+    // Per lane the largest value and the first index holding it, then the lanes' best; a row with a
+    // NaN (torch's argmax picks the first NaN) takes the scalar loop below.
+    if (width >= 16) {
+      __m512 best_values = load16(xr);
+      __m512i best_indices = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      __m512i indices = best_indices;
+      const __m512i step = _mm512_set1_epi32(16);
+      __mmask16 nan = _mm512_cmp_ps_mask(best_values, best_values, _CMP_UNORD_Q);
+      int64_t e = 16;
+      for (; e + 16 <= width; e += 16) {
+        indices = _mm512_add_epi32(indices, step);
+        const __m512 v = load16(xr + e);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        const __mmask16 greater = _mm512_cmp_ps_mask(v, best_values, _CMP_GT_OQ);
+        best_values = _mm512_mask_mov_ps(best_values, greater, v);
+        best_indices = _mm512_mask_mov_epi32(best_indices, greater, indices);
+      }
+      if (!nan && width < (int64_t{1} << 31)) {
+        alignas(64) float values[16];
+        alignas(64) int32_t where[16];
+        _mm512_store_ps(values, best_values);
+        _mm512_store_si512(where, best_indices);
+        int64_t best = where[0];
+        float best_value = values[0];
+        for (int j = 1; j < 16; ++j)
+          if (values[j] > best_value || (values[j] == best_value && where[j] < best)) {
+            best_value = values[j];
+            best = where[j];
+          }
+        for (; e < width; ++e) {  // the tail, after every index the lanes saw
+          const float v = to_float(xr[e]);
+          if (std::isnan(v)) {
+            best = -1;
+            break;
+          }
+          if (v > best_value) {
+            best_value = v;
+            best = e;
+          }
+        }
+        if (best >= 0) {
+          out[r] = best;
+          return;
+        }
+      }
+    }
+#endif
+    int64_t best = 0;
+    float best_value = to_float(xr[0]);
+    for (int64_t e = 1; e < width; ++e) {
+      const float v = to_float(xr[e]);
+      if (v > best_value || (std::isnan(v) && !std::isnan(best_value))) {
+        best_value = v;
+        best = e;
+      }
+    }
+    out[r] = best;
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+void decode_attention_f32(const float* q, int64_t q_token_stride, const float* k_cache, const float* v_cache,
+                          const int64_t* token_rows, const int64_t* block_tables, int64_t block_table_stride,
+                          const int64_t* context_lens, float* out, int64_t out_token_stride, int64_t num_rows,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                          int64_t split_len) {
+  decode_attention(q, q_token_stride, k_cache, v_cache, token_rows, block_tables, block_table_stride, context_lens,
+                   out, out_token_stride, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, split_len);
+}
+
+void decode_attention_bf16(const bf16* q, int64_t q_token_stride, const bf16* k_cache, const bf16* v_cache,
+                           const int64_t* token_rows, const int64_t* block_tables, int64_t block_table_stride,
+                           const int64_t* context_lens, bf16* out, int64_t out_token_stride, int64_t num_rows,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                          int64_t split_len) {
+  decode_attention(q, q_token_stride, k_cache, v_cache, token_rows, block_tables, block_table_stride, context_lens,
+                   out, out_token_stride, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, split_len);
+}
+
+#define ITERSERVE_EXPORT(SUFFIX, T)                                                                                 \
+  void rms_norm_##SUFFIX(const T* x, int64_t x_row_stride, const T* weight, T* out, int64_t rows, int64_t width,   \
+                         float eps) {                                                                               \
+    rms_norm(x, x_row_stride, weight, out, rows, width, eps);                                                       \
+  }                                                                                                                 \
+  void rotary_and_cache_##SUFFIX(T* qkv, int64_t qkv_row_stride, const int64_t* positions, const float* cos,        \
+                                 const float* sin, const int64_t* slots, T* k_cache, T* v_cache, int64_t tokens,    \
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {                       \
+    rotary_and_cache(qkv, qkv_row_stride, positions, cos, sin, slots, k_cache, v_cache, tokens, num_heads,          \
+                     num_kv_heads, head_dim);                                                                       \
+  }                                                                                                                 \
+  void argmax_rows_##SUFFIX(const T* x, int64_t row_stride, int64_t rows, int64_t width, int64_t* out) {            \
+    argmax_rows(x, row_stride, rows, width, out);                                                                   \
+  }                                                                                                                 \
+  void silu_and_mul_##SUFFIX(const T* x, int64_t x_row_stride, T* out, int64_t rows, int64_t width) {               \
+    silu_and_mul(x, x_row_stride, out, rows, width);                                                                \
+  }
+
+ITERSERVE_EXPORT(f32, float)
+ITERSERVE_EXPORT(bf16, bf16)
+#undef ITERSERVE_EXPORT
+
+}  // extern "C"

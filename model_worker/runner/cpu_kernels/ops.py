@@ -1,0 +1,211 @@
+"""The CPU kernels as functions of torch tensors (kernels.cpp says what each computes).
+
+`kernels()` is the loaded library, built on first use (build.py), or None where it cannot be built
+here; callers keep their torch path then. Each wrapper checks what the C++ side assumes (device,
+dtype, contiguity, index ranges) and raises ValueError otherwise, so a bad call is an error, never
+a read out of bounds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from model_worker.runner.cpu_kernels.build import KernelBuildError, load_library
+
+logger = logging.getLogger(__name__)
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+# Positions of one part of a decode row's context (kernels.cpp, decode_attention).
+SPLIT_LEN = 256
+
+
+@functools.cache
+def kernels() -> ctypes.CDLL | None:
+    """The library, or None (logged once, with the reason) where it cannot be built or loaded."""
+    try:
+        library = load_library()
+    except KernelBuildError as exc:
+        logger.warning("CPU kernels unavailable, using the torch path: %s", exc)
+        return None
+    signatures = {"decode_attention": [_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I],
+                  "rms_norm": [_P, _I, _P, _P, _I, _I, _F],
+                  "rotary_and_cache": [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
+                  "argmax_rows": [_P, _I, _I, _I, _P],
+                  "silu_and_mul": [_P, _I, _P, _I, _I]}
+    for name, argtypes in signatures.items():
+        for suffix in _SUFFIX.values():
+            function = getattr(library, f"{name}_{suffix}")
+            function.restype = None
+            function.argtypes = argtypes
+    return library
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _SUFFIX
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """The decode rows of a step for `decode_attention`, checked once per step (every layer reads
+    them): token_rows and context_lens (N,) int64, block_tables (N, max_blocks) int64, contiguous."""
+
+    token_rows: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    # Bounds every call checks against q's and the cache's shapes: the largest token row and block
+    # id (-1 with no rows), and the block size every context was checked to fit its table with.
+    max_token_row: int
+    max_block_id: int
+    block_size: int
+
+    @classmethod
+    def of(cls, token_rows: np.ndarray, block_tables: np.ndarray, context_lens: np.ndarray,
+           block_size: int) -> "DecodeRows":
+        """Raises ValueError for a negative index, or a context its block table cannot hold."""
+        token_rows, context_lens = (np.ascontiguousarray(a, dtype=np.int64) for a in (token_rows, context_lens))
+        block_tables = np.ascontiguousarray(block_tables, dtype=np.int64)
+        num_rows = len(token_rows)
+        _check(block_tables.ndim == 2 and block_tables.shape[0] == num_rows == len(context_lens),
+               "index shapes do not match")
+        max_token_row = max_block_id = -1
+        if num_rows:
+            _check(token_rows.min() >= 0 and block_tables.min() >= 0, "negative index")
+            _check(context_lens.min() >= 1 and context_lens.max() <= block_tables.shape[1] * block_size,
+                   "context length out of range")
+            max_token_row, max_block_id = int(token_rows.max()), int(block_tables.max())
+        return cls(torch.from_numpy(token_rows), torch.from_numpy(block_tables), torch.from_numpy(context_lens),
+                   max_token_row, max_block_id, block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSlots:
+    """Each token's position and cache slot for `rotary_and_cache`, checked once per step (every
+    layer reads them): positions and slots (T,) int64, contiguous."""
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    # Bounds every call checks against the rotary tables' and the cache's sizes (-1 with no tokens).
+    max_position: int
+    max_slot: int
+
+    @classmethod
+    def of(cls, positions: np.ndarray, slots: np.ndarray) -> "TokenSlots":
+        """Raises ValueError for a negative position or slot."""
+        positions, slots = (np.ascontiguousarray(a, dtype=np.int64) for a in (positions, slots))
+        _check(positions.ndim == slots.ndim == 1 and len(positions) == len(slots), "index shapes do not match")
+        max_position = max_slot = -1
+        if len(positions):
+            _check(positions.min() >= 0 and slots.min() >= 0, "negative index")
+            max_position, max_slot = int(positions.max()), int(slots.max())
+        return cls(torch.from_numpy(positions), torch.from_numpy(slots), max_position, max_slot)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of x (rows, width) with weight (width,), as transformers computes it
+    (model_worker/runner/llama.py); x's rows contiguous, the result contiguous."""
+    rows, width = x.shape
+    _check(x.dtype in _SUFFIX and weight.dtype == x.dtype and weight.shape == (width,) and weight.is_contiguous()
+           and x.stride(1) == 1 and x.device.type == weight.device.type == "cpu", "bad rms_norm arguments")
+    out = torch.empty((rows, width), dtype=x.dtype)
+    if rows:
+        getattr(_library(), f"rms_norm_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.stride(0), weight.data_ptr(),
+                                                           out.data_ptr(), rows, width, float(eps))
+    return out
+
+
+def rotary_and_cache(qkv: torch.Tensor, tokens: TokenSlots, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> None:
+    """Rotate q and k of qkv (T, (num_heads + 2 * num_kv_heads) * head_dim) in place by the rotary
+    tables cos, sin (max_len, head_dim) float32 at each token's position, and write each token's k
+    and v into its slot of k_cache, v_cache (num_blocks, block_size, num_kv_heads, head_dim)."""
+    num_tokens = qkv.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    _check(qkv.dtype in _SUFFIX and qkv.dtype == k_cache.dtype == v_cache.dtype
+           and cos.dtype == sin.dtype == torch.float32, "dtypes differ")
+    _check(all(t.device.type == "cpu" for t in (qkv, cos, sin, k_cache, v_cache)), "every tensor must be on the CPU")
+    _check(qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1 and head_dim % 2 == 0,
+           "qkv does not match the heads")
+    _check(cos.shape == sin.shape and cos.shape[1] == head_dim and cos.is_contiguous() and sin.is_contiguous(),
+           "bad rotary tables")
+    _check(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape, "bad caches")
+    _check(tokens.positions.shape[0] == num_tokens and tokens.max_position < cos.shape[0]
+           and tokens.max_slot < k_cache.shape[0] * k_cache.shape[1], "a position or slot out of range")
+    if num_tokens:
+        getattr(_library(), f"rotary_and_cache_{_SUFFIX[qkv.dtype]}")(
+            qkv.data_ptr(), qkv.stride(0), tokens.positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            tokens.slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_tokens, num_heads, num_kv_heads,
+            head_dim)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of x (rows, 2 * width), gate the first half of each row: (rows, width)."""
+    rows, double_width = x.shape
+    _check(x.dtype in _SUFFIX and x.stride(1) == 1 and x.device.type == "cpu" and double_width % 2 == 0,
+           "bad silu_and_mul argument")
+    out = torch.empty((rows, double_width // 2), dtype=x.dtype)
+    if rows:
+        getattr(_library(), f"silu_and_mul_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.stride(0), out.data_ptr(), rows,
+                                                               double_width // 2)
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of x (rows, width), rows contiguous: (rows,) int64."""
+    rows, width = x.shape
+    _check(x.dtype in _SUFFIX and x.stride(1) == 1 and x.device.type == "cpu" and width > 0, "bad argmax argument")
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        getattr(_library(), f"argmax_rows_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.stride(0), rows, width, out.data_ptr())
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: DecodeRows,
+                     out: torch.Tensor, scale: float) -> None:
+    """out[token_rows[i]] = attention of q[token_rows[i]] over the first context_lens[i] positions of
+    the sequence whose blocks are block_tables[i], for every row i of `rows`.
+
+    q, out: (T, num_heads, head_dim), each token row contiguous (q may be a view with a larger row
+    stride); k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim) contiguous, with the
+    block_size `rows` was checked with, and every row and block id of `rows` within them.
+    """
+    library = _library()
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    _check(q.dtype in _SUFFIX and q.dtype == k_cache.dtype == v_cache.dtype == out.dtype, "dtypes differ")
+    _check(q.device.type == k_cache.device.type == v_cache.device.type == out.device.type == "cpu",
+           "every tensor must be on the CPU")
+    _check(q.stride(2) == 1 and q.stride(1) == head_dim, "q's token rows must be contiguous")
+    _check(out.shape == q.shape and out.stride(2) == 1 and out.stride(1) == head_dim, "out must match q")
+    _check(k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape,
+           "caches must be contiguous and alike")
+    _check(num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim, "head shapes do not match")
+    _check(rows.max_token_row < num_tokens and rows.max_block_id < num_blocks and rows.block_size == block_size,
+           "a row or block id out of range")
+    num_rows = rows.token_rows.shape[0]
+    if num_rows == 0:
+        return
+    getattr(library, f"decode_attention_{_SUFFIX[q.dtype]}")(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), rows.token_rows.data_ptr(),
+        rows.block_tables.data_ptr(), rows.block_tables.stride(0), rows.context_lens.data_ptr(), out.data_ptr(),
+        out.stride(0), num_rows, num_heads, num_kv_heads, head_dim, block_size, float(scale), SPLIT_LEN)
+
+
+def _library() -> ctypes.CDLL:
+    library = kernels()
+    if library is None:
+        raise KernelBuildError("the CPU kernels are not available")
+    return library
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(f"CPU kernel: {message}")

@@ -1,0 +1,212 @@
+"""Our CPU kernels (model_worker/runner/cpu_kernels/) against torch computing the same thing.
+
+Each kernel is checked on shapes that take its vectorised path and its generic one (head sizes
+that are not a multiple of 16, group sizes without a specialised variant, tails shorter than a
+vector), in float32 (to float32 rounding) and bfloat16 (to bfloat16 rounding of the result).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_worker.runner.attention.base import StepLayout, write_kv
+from model_worker.runner.attention.cpu_backend import CpuAttentionBackend
+from model_worker.runner.attention.torch_backend import TorchAttentionBackend
+from model_worker.runner.cpu_kernels import build, ops
+
+pytestmark = pytest.mark.skipif(ops.kernels() is None, reason="the CPU kernels do not build here (no C++ compiler)")
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
+
+
+def paged_decode_case(num_rows: int, context_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                      block_size: int, dtype: torch.dtype, seed: int = 0):
+    """Caches with every row's blocks scattered in a random order, and one query token per row."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_row = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_row) + 3
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = np.zeros((num_rows, max(blocks_per_row)), dtype=np.int64)
+    for row, count in enumerate(blocks_per_row):
+        tables[row, :count] = [order.pop() for _ in range(count)]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    q = torch.randn(num_rows, num_heads, head_dim, generator=generator).to(dtype)
+    lens = np.array(context_lens, dtype=np.int64)
+    layout = StepLayout(query_lens=np.ones(num_rows, dtype=np.int64), start_positions=lens - 1, context_lens=lens,
+                        query_starts=np.arange(num_rows + 1, dtype=np.int64), block_tables=tables,
+                        slot_mapping=np.zeros(num_rows, dtype=np.int64), block_size=block_size)
+    return q, k_cache, v_cache, layout
+
+
+def torch_decode(q, k_cache, v_cache, layout, scale):
+    backend = TorchAttentionBackend()
+    metadata = backend.prepare(layout, torch.device("cpu"))
+    out = torch.empty_like(q)
+    for group in metadata.decode_groups:
+        out.index_copy_(0, group.token_indices,
+                        backend._decode(q.index_select(0, group.token_indices), k_cache, v_cache, group, scale))
+    return out
+
+
+@pytest.mark.parametrize("dtype, atol", DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, context_lens", [
+    (9, 3, 64, [1, 17, 200, 31]),  # SmolLM2's heads: the register-resident variant
+    (9, 3, 64, [700, 5, 513]),  # contexts split into parts and merged
+    (8, 2, 128, [40, 300]),  # Llama-3's head size
+    (10, 2, 64, [33, 260]),  # a group of 5: the generic path
+    (4, 4, 24, [3, 90, 600]),  # head_dim not a multiple of 16: the generic path
+])
+def test_decode_attention_matches_torch(dtype, atol, num_heads, num_kv_heads, head_dim, context_lens):
+    q, k_cache, v_cache, layout = paged_decode_case(len(context_lens), context_lens, num_heads, num_kv_heads,
+                                                    head_dim, 16, dtype)
+    rows = ops.DecodeRows.of(layout.query_starts[:-1], layout.block_tables, layout.context_lens, 16)
+    out = torch.empty_like(q)
+    ops.decode_attention(q, k_cache, v_cache, rows, out, head_dim ** -0.5)
+    expected = torch_decode(q, k_cache, v_cache, layout, head_dim ** -0.5)
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
+
+
+def test_decode_attention_reads_q_rows_through_their_stride_and_writes_only_its_rows():
+    """q may be a view into the q/k/v projection, and rows not listed stay as they were."""
+    q, k_cache, v_cache, layout = paged_decode_case(2, [20, 40], 9, 3, 64, 16, torch.float32)
+    qkv = torch.randn(3, 15, 64)
+    qkv[[0, 2], :9] = q
+    rows = ops.DecodeRows.of(np.array([0, 2]), layout.block_tables, layout.context_lens, 16)
+    out = torch.full((3, 9, 64), 7.0)
+    ops.decode_attention(qkv[:, :9], k_cache, v_cache, rows, out, 0.125)
+    torch.testing.assert_close(out[[0, 2]], torch_decode(q, k_cache, v_cache, layout, 0.125), atol=1e-5, rtol=0)
+    assert torch.all(out[1] == 7.0)
+
+
+def test_decode_attention_refuses_indices_out_of_range():
+    q, k_cache, v_cache, layout = paged_decode_case(2, [20, 40], 9, 3, 64, 16, torch.float32)
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="negative"):
+        ops.DecodeRows.of(np.array([0, -1]), layout.block_tables, layout.context_lens, 16)
+    with pytest.raises(ValueError, match="context length"):
+        ops.DecodeRows.of(np.array([0, 1]), layout.block_tables, np.array([20, 4000]), 16)
+    tables = layout.block_tables.copy()
+    tables[1, 0] = k_cache.shape[0]  # one past the last block
+    rows = ops.DecodeRows.of(np.array([0, 1]), tables, layout.context_lens, 16)
+    with pytest.raises(ValueError, match="out of range"):
+        ops.decode_attention(q, k_cache, v_cache, rows, out, 0.125)
+    rows = ops.DecodeRows.of(np.array([0, 5]), layout.block_tables, layout.context_lens, 16)
+    with pytest.raises(ValueError, match="out of range"):
+        ops.decode_attention(q, k_cache, v_cache, rows, out, 0.125)
+    rows = ops.DecodeRows.of(np.array([0, 1]), layout.block_tables, layout.context_lens, 16)
+    with pytest.raises(ValueError, match="dtypes"):
+        ops.decode_attention(q.bfloat16(), k_cache, v_cache, rows, out, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, width", [(1, 576), (300, 576), (3, 33)])
+def test_rms_norm_is_transformers_formula(dtype, rows, width):
+    x = (torch.randn(rows, width) * 3).to(dtype)
+    weight = (torch.rand(width) + 0.5).to(dtype)
+    x32 = x.float()
+    expected = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    got = ops.rms_norm(x, weight, 1e-5)
+    if dtype == torch.bfloat16:  # the same roundings: equal but where the float32 mean rounds differently
+        assert (got != expected).float().mean() < 0.01
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-5 if dtype == torch.float32 else 1.6e-2,
+                               rtol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype, atol", DTYPES)
+@pytest.mark.parametrize("rows, width", [(1, 1536), (70, 1536), (2, 21)])
+def test_silu_and_mul_matches_torch(dtype, atol, rows, width):
+    x = (torch.randn(rows, 2 * width) * 4).to(dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    torch.testing.assert_close(ops.silu_and_mul(x).float(), expected, atol=atol, rtol=1e-2 if atol > 1e-4 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_cache_rotates_in_place_and_writes_each_token_to_its_slot(dtype):
+    num_heads, num_kv_heads, head_dim, tokens = 6, 2, 32, 5
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    positions = np.array([0, 7, 3, 100, 4])
+    slots = np.array([5, 0, 9, 31, 17])
+    angles = torch.arange(128).float()[:, None] * torch.rand(head_dim // 2)[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    k_cache = torch.zeros(4, 8, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    expected_k_cache, expected_v_cache = k_cache.clone(), v_cache.clone()
+    heads = qkv.float().view(tokens, -1, head_dim)
+    qk = heads[:, : num_heads + num_kv_heads]
+    half = head_dim // 2
+    rotated = qk * cos[positions][:, None] + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin[positions][:, None]
+    write_kv(rotated[:, num_heads:].to(dtype), heads[:, num_heads + num_kv_heads:].to(dtype), expected_k_cache,
+             expected_v_cache, torch.from_numpy(slots))
+    ops.rotary_and_cache(qkv, ops.TokenSlots.of(positions, slots), cos, sin, k_cache, v_cache, num_heads)
+    atol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(qkv.float().view(tokens, -1, head_dim)[:, : num_heads + num_kv_heads], rotated,
+                               atol=atol, rtol=0)
+    torch.testing.assert_close(k_cache.float(), expected_k_cache.float(), atol=atol, rtol=0)
+    assert torch.equal(v_cache, expected_v_cache)
+    with pytest.raises(ValueError, match="out of range"):
+        ops.rotary_and_cache(qkv, ops.TokenSlots.of(positions, np.array([5, 0, 9, 32, 17])), cos, sin, k_cache,
+                             v_cache, num_heads)
+    with pytest.raises(ValueError, match="out of range"):
+        ops.rotary_and_cache(qkv, ops.TokenSlots.of(np.array([0, 7, 3, 128, 4]), slots), cos, sin, k_cache,
+                             v_cache, num_heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [5, 16, 17, 49152, 49157])
+def test_argmax_is_torch_argmax_with_its_ties_and_nans(dtype, width):
+    x = torch.randn(9, width).to(dtype)
+    x[1, width // 2] = float("nan")  # torch picks the first NaN
+    x[2, :] = 0.5  # all equal: the first index
+    x[3, -1] = 1e9  # the tail past the last full vector
+    if width > 10:
+        x[4, 3] = x[4, width - 3] = 100.0  # a tie: the first
+    assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+
+
+def test_cpu_backend_gives_the_torch_backends_attention_on_a_mixed_step():
+    """Prefill chunks (one starting its sequence, one continuing it) beside decodes; each backend
+    writes the step's K/V into its own copy of the caches first."""
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    query_lens, start_positions = np.array([1, 20, 1, 7]), np.array([30, 0, 5, 16])
+    block_tables = np.array([[3, 4], [5, 6], [7, 0], [8, 9]])
+    query_starts = np.concatenate([[0], np.cumsum(query_lens)])
+    seq_of_token = np.repeat(np.arange(4), query_lens)
+    positions = np.arange(query_starts[-1]) - (query_starts[:-1] - start_positions)[seq_of_token]
+    layout = StepLayout(query_lens=query_lens, start_positions=start_positions,
+                        context_lens=start_positions + query_lens, query_starts=query_starts,
+                        block_tables=block_tables, block_size=block_size,
+                        slot_mapping=block_tables[seq_of_token, positions // block_size] * block_size
+                        + positions % block_size)
+    tokens = int(query_starts[-1])
+    q = torch.randn(tokens, num_heads, head_dim)
+    k, v = torch.randn(tokens, num_kv_heads, head_dim), torch.randn(tokens, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(10, block_size, num_kv_heads, head_dim), torch.randn(10, block_size, num_kv_heads,
+                                                                                         head_dim)
+    outs = []
+    for backend in (CpuAttentionBackend(), TorchAttentionBackend()):
+        metadata = backend.prepare(layout, torch.device("cpu"))
+        outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), metadata, 0.125))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+
+
+def test_no_compiler_means_no_kernels_and_the_torch_backend(monkeypatch, tmp_path):
+    from model_worker.runner.attention.selector import create_attention_backend
+
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    with pytest.raises(build.KernelBuildError, match="no C\\+\\+ compiler"):
+        build.library_path(str(tmp_path))
+    monkeypatch.setattr(ops, "kernels", lambda: None)
+    assert create_attention_backend("auto", torch.device("cpu"), torch.float32, 16).name == "torch"
+
+
+def test_a_build_lands_by_rename_and_is_reused(tmp_path):
+    first = build.library_path(str(tmp_path))
+    assert first.is_file() and first.parent.parent == tmp_path / "kernels"
+    assert build.library_path(str(tmp_path)) == first
+    assert [p.name for p in first.parent.iterdir() if p.name.startswith(".build-")] == []
