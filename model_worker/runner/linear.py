@@ -8,7 +8,9 @@ reads a weight reordered once into its own blocked layout (`torch.ops.mkldnn`, w
 CPU freezing pass and vLLM's CPU backend do), at any batch size, in float32 and bfloat16
 (docs/benchmarks.md, "Decode steps at the memory limit").
 
-The packed weight is an opaque mkldnn tensor that only `linear` below reads. Where oneDNN cannot
+The packed weight is an opaque mkldnn tensor that only the functions below read. A layer's
+residual additions run as post-ops of its matmuls (oneDNN adds to the output tile it has in
+registers), not as passes over the activations. Where oneDNN cannot
 run the dtype (bfloat16 on a CPU without AVX-512), `packs(device, dtype)` says so and the decoder
 keeps plain weights and `F.linear`.
 """
@@ -35,11 +37,15 @@ def packs(device_type: str, dtype: torch.dtype) -> bool:
     weight = torch.randn(48, 64, generator=generator).to(dtype)
     bias = torch.randn(48, generator=generator).to(dtype)
     x = torch.randn(3, 64, generator=generator).to(dtype)
+    other = torch.randn(3, 48, generator=generator).to(dtype)
+    plain = F.linear(x, weight, bias).float()
     try:
-        got = linear(x, pack(weight), bias)
+        packed_weight = pack(weight)
+        checks = [(linear(x, packed_weight, bias), plain),
+                  (linear_add(x, packed_weight, bias, other), plain + other.float())]
     except RuntimeError:
         return False
-    return bool(torch.allclose(got.float(), F.linear(x, weight, bias).float(), rtol=2e-2, atol=2e-2))
+    return all(torch.allclose(got.float(), want, rtol=2e-2, atol=5e-2) for got, want in checks)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -50,3 +56,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T + bias for a weight from `pack`; x is (rows, in_features), in the weight's dtype."""
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+def linear_add(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+               residual: torch.Tensor) -> torch.Tensor:
+    """residual + (x @ W^T + bias), the addition a post-op of the matmul (no pass of its own);
+    residual (rows, out_features) in the weight's dtype."""
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed_weight, bias, "add")
+

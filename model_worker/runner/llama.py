@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from model_worker.runner import linear as packed
+from model_worker.runner.cpu_kernels import ops as cpu_ops
 from model_worker.runner.attention.base import AttentionBackend
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -157,9 +158,31 @@ class LayerWeights:
 
 
 @dataclass(slots=True)
+class PackedLayerWeights:
+    """One layer's tensors with its matrices packed for oneDNN (model_worker/runner/linear.py):
+    opaque tensors that only its functions read."""
+
+    input_norm: torch.Tensor  # (hidden,)
+    qkv_proj: torch.Tensor  # packed (q_size + 2 * kv_size, hidden)
+    qkv_bias: torch.Tensor | None  # (q_size + 2 * kv_size,)
+    o_proj: torch.Tensor  # packed (hidden, q_size)
+    o_bias: torch.Tensor | None  # (hidden,)
+    post_attention_norm: torch.Tensor  # (hidden,)
+    gate_up_proj: torch.Tensor  # packed (2 * intermediate, hidden): gate, then up
+    down_proj: torch.Tensor  # packed (hidden, intermediate)
+
+    @classmethod
+    def pack(cls, layer: LayerWeights) -> PackedLayerWeights:
+        return cls(input_norm=layer.input_norm, qkv_proj=packed.pack(layer.qkv_proj), qkv_bias=layer.qkv_bias,
+                   o_proj=packed.pack(layer.o_proj), o_bias=layer.o_bias,
+                   post_attention_norm=layer.post_attention_norm, gate_up_proj=packed.pack(layer.gate_up_proj),
+                   down_proj=packed.pack(layer.down_proj))
+
+
+@dataclass(slots=True)
 class DecoderWeights:
     embed_tokens: torch.Tensor  # (vocab, hidden)
-    layers: list[LayerWeights]
+    layers: list[LayerWeights] | list[PackedLayerWeights]
     norm: torch.Tensor  # (hidden,)
     lm_head: torch.Tensor  # (vocab, hidden); the same tensor as embed_tokens when tied
 
@@ -185,7 +208,12 @@ class LlamaDecoder:
 
     On CPU the matrices of every layer and the LM head are packed once for oneDNN
     (model_worker/runner/linear.py) where it runs the dtype, unless `pack_weights` is False; the
-    layers' plain copies are then dropped, the embedding table (the tied head) kept.
+    layers' plain copies are then dropped, the embedding table (the tied head) kept. A packed layer
+    adds its residuals as post-ops of the o and down matmuls; with the CPU attention backend it
+    also takes RMSNorm and SiLU-times-up from our kernels (model_worker/runner/cpu_kernels/) and
+    hands the raw q/k/v projection to the backend, which rotates q and k (in float32, rounded once:
+    the fp32_rotary island's numerics, at no cost), writes the cache and attends in one call
+    (attention/cpu_backend.py): about ten calls a layer where the torch ops make some sixty.
     """
 
     def __init__(self, spec: DecoderSpec, weights: DecoderWeights, attention: AttentionBackend,
@@ -217,10 +245,10 @@ class LlamaDecoder:
         # differs from it below float32.
         self._fused_norm = dtype == torch.float32
         self.packed = pack_weights and packed.packs(device.type, dtype)
-        self._linear = packed.linear if self.packed else F.linear
         self._head = self._make_head()  # now, so the memory profile sees it
         if self.packed:
-            self.weights = dataclasses.replace(weights, layers=[_packed_layer(layer) for layer in weights.layers])
+            self.weights = dataclasses.replace(weights, layers=[PackedLayerWeights.pack(layer)
+                                                                for layer in weights.layers])
 
     def set_islands(self, **flags: bool) -> None:
         """Turn float32 islands on or off by name (fp32_residual, fp32_rotary, fp32_logits,
@@ -238,8 +266,9 @@ class LlamaDecoder:
         return head
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                attn_metadata: Any, logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: (T,). Returns float32 logits (len(logits_indices), vocab)."""
+                attn_metadata: Any, logits_indices: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """input_ids, positions: (T,). Returns logits (len(logits_indices), vocab): float32, or with
+        upcast False in the LM head's dtype (a greedy sampler's argmax needs no float32 copy)."""
         weights = self.weights
         hidden = F.embedding(input_ids, weights.embed_tokens)  # (T, hidden)
         if self.fp32_residual:
@@ -255,33 +284,85 @@ class LlamaDecoder:
             return self._head_linear(normed)
         if self.fp32_final_norm:
             normed = F.rms_norm(hidden.float(), self._norm32.shape, self._norm32, self.spec.rms_norm_eps)
-            return self._head_linear(normed.to(self.dtype)).float()
-        return self._head_linear(self._rms_norm(hidden, weights.norm)).float()
+            logits = self._head_linear(normed.to(self.dtype))
+        else:
+            logits = self._head_linear(self._rms_norm(hidden, weights.norm))
+        return logits.float() if upcast else logits
 
     def _head_linear(self, normed: torch.Tensor) -> torch.Tensor:
         head = self._head
         return packed.linear(normed, head) if head.is_mkldnn else F.linear(normed, head)
 
-    def _layer(self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+    def _layer(self, layer: LayerWeights | PackedLayerWeights, hidden: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        if isinstance(layer, PackedLayerWeights):
+            return self._packed_layer(layer, hidden, cos, sin, k_cache, v_cache, attn_metadata)
+        return self._plain_layer(layer, hidden, cos, sin, k_cache, v_cache, attn_metadata)
+
+    def _packed_layer(self, layer: PackedLayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         spec = self.spec
         num_tokens = hidden.shape[0]
-        normed = self._rms_norm(hidden, layer.input_norm)
-        linear = self._linear
-        qkv = linear(normed, layer.qkv_proj, layer.qkv_bias)  # (T, q_size + 2 * kv_size)
+        qkv = packed.linear(self._packed_norm(hidden, layer.input_norm), layer.qkv_proj, layer.qkv_bias)
+        if self.attention.fuses_rotary:
+            attn = self.attention.forward_qkv(qkv, k_cache, v_cache, attn_metadata, self.scale, self.cos_table32,
+                                              self.sin_table32)
+        else:
+            q, k, v = self._rotary(qkv, cos, sin)
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale)
+        hidden = self._residual_linear(attn.reshape(num_tokens, spec.q_size), layer.o_proj, layer.o_bias, hidden)
+        gate_up = packed.linear(self._packed_norm(hidden, layer.post_attention_norm), layer.gate_up_proj)
+        return self._residual_linear(self._silu_and_mul(gate_up), layer.down_proj, None, hidden)
+
+    def _kernels(self, dtype: torch.dtype) -> bool:
+        """Whether our CPU kernels take this dtype's elementwise work: with the CPU attention backend."""
+        return self.attention.fuses_rotary and dtype == self.dtype
+
+    def _packed_norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._kernels(hidden.dtype):
+            return cpu_ops.rms_norm(hidden, weight, self.spec.rms_norm_eps)
+        return self._rms_norm(hidden, weight)
+
+    def _silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self._kernels(gate_up.dtype):
+            return cpu_ops.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def _residual_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         hidden: torch.Tensor) -> torch.Tensor:
+        """hidden + x @ W^T (+ bias), the addition inside the matmul unless the residual stream is
+        float32 (the fp32_residual island), which a lower-precision matmul cannot take as an operand."""
+        if hidden.dtype == x.dtype:
+            return packed.linear_add(x, weight, bias, hidden)
+        return hidden + packed.linear(x, weight, bias)
+
+    def _rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k rotated and v, from the q/k/v projection (T, q_size + 2 * kv_size)."""
+        spec = self.spec
+        num_tokens = qkv.shape[0]
         # q and k are rotated together: (T, num_heads + num_kv_heads, head_dim).
         qk = qkv[:, : spec.q_size + spec.kv_size].view(num_tokens, spec.num_heads + spec.num_kv_heads, spec.head_dim)
         if cos.dtype != qk.dtype:
             qk = qk.float()
         qk = (qk * cos + _rotate_half(qk) * sin).to(self.dtype)
-        q = qk[:, : spec.num_heads]
-        k = qk[:, spec.num_heads:]
         v = qkv[:, spec.q_size + spec.kv_size:].view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        return qk[:, : spec.num_heads], qk[:, spec.num_heads:], v
+
+    def _plain_layer(self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        spec = self.spec
+        num_tokens = hidden.shape[0]
+        normed = self._rms_norm(hidden, layer.input_norm)
+        qkv = F.linear(normed, layer.qkv_proj, layer.qkv_bias)  # (T, q_size + 2 * kv_size)
+        q, k, v = self._rotary(qkv, cos, sin)
         attn = self.attention.forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale)  # (T, num_heads, head_dim)
-        hidden = hidden + linear(attn.reshape(num_tokens, spec.q_size), layer.o_proj, layer.o_bias)
+        hidden = hidden + F.linear(attn.reshape(num_tokens, spec.q_size), layer.o_proj, layer.o_bias)
         normed = self._rms_norm(hidden, layer.post_attention_norm)
-        gate, up = linear(normed, layer.gate_up_proj).chunk(2, dim=-1)
-        return hidden + linear(F.silu(gate) * up, layer.down_proj)
+        gate, up = F.linear(normed, layer.gate_up_proj).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, layer.down_proj)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm with float32 statistics; the result is in the model dtype, whatever x's dtype
@@ -296,11 +377,6 @@ class LlamaDecoder:
         """The LM head a forward reads: its float32 copy under fp32_logits, else the model's;
         packed for oneDNN where the layers are."""
         return self._head
-
-
-def _packed_layer(layer: LayerWeights) -> LayerWeights:
-    return dataclasses.replace(layer, qkv_proj=packed.pack(layer.qkv_proj), o_proj=packed.pack(layer.o_proj),
-                               gate_up_proj=packed.pack(layer.gate_up_proj), down_proj=packed.pack(layer.down_proj))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

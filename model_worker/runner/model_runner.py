@@ -198,7 +198,7 @@ class TorchModelRunner:
             return []
         start_s = time.perf_counter()
         with torch.inference_mode():
-            logits = self._forward(batch.sequences, all_tokens=False)
+            logits = self._forward(batch.sequences, all_tokens=False, upcast=False)
             sampling = [seq for seq in batch.sequences if seq.sample]
             tokens = self.sampler.sample(logits, [seq.sampling_params for seq in sampling],
                                          [seq.output_index for seq in sampling])
@@ -214,7 +214,9 @@ class TorchModelRunner:
         with torch.inference_mode():
             return self._forward(batch.sequences, all_tokens)
 
-    def _forward(self, sequences: list[ScheduledSequence], all_tokens: bool) -> torch.Tensor:
+    def _forward(self, sequences: list[ScheduledSequence], all_tokens: bool, upcast: bool = True) -> torch.Tensor:
+        """Logits of the step's sampled rows (every token's with all_tokens): float32, or with
+        upcast False in the model's dtype where the forward makes them in it (the sampler upcasts)."""
         token_ids, positions, layout, logits_indices = self._prepare_inputs(sequences)
         if all_tokens:
             logits_indices = np.arange(len(token_ids), dtype=np.int64)
@@ -225,7 +227,7 @@ class TorchModelRunner:
         input_ids, positions, logits_indices = self.uploader([token_ids, positions, logits_indices])
         metadata = self.attention.prepare(layout, self.device)
         with self._timed_forward():
-            return self.model.forward(input_ids, positions, self.kv_caches, metadata, logits_indices)
+            return self.model.forward(input_ids, positions, self.kv_caches, metadata, logits_indices, upcast)
 
     @contextlib.contextmanager
     def _timed_forward(self):
