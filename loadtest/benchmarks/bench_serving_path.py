@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-decode-slowdown", default="engine",
                    help="the engine's stall-free budget (EngineConfig.max_decode_slowdown): a number, 'none' "
                         "(prompts fill the token budget), or 'engine' (the engine's default)")
+    p.add_argument("--engine-args", type=json.loads, default={},
+                   help='more EngineConfig fields as JSON for both our engine and server, e.g. '
+                        '\'{"max_num_batched_tokens": 2048}\' (applied after --dtype and --threads)')
     p.add_argument("--num-requests", type=int, default=None, help="requests sent at once (default 64; quick 16)")
     p.add_argument("--rate", type=float, default=1.0, help="arrivals per second of the light-load run")
     p.add_argument("--rate-requests", type=int, default=None, help="requests of the light-load run (default 30; quick 12)")
@@ -108,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.max_decode_slowdown = float(args.max_decode_slowdown)
         except ValueError:
             p.error(f"--max-decode-slowdown takes a number, 'none' or 'engine', got {args.max_decode_slowdown!r}")
+    if not isinstance(args.engine_args, dict):
+        p.error("--engine-args takes a JSON object")
     if args.vllm_client and args.peer != "vllm":
         p.error("--vllm-client needs --peer vllm (the client is installed with the peer)")
     args.served = [mode.strip() for mode in args.served.split(",") if mode.strip()]
@@ -146,6 +151,7 @@ def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
         engine_args["num_threads"] = args.threads
     if args.max_decode_slowdown != "engine":
         engine_args["max_decode_slowdown"] = None if args.max_decode_slowdown == "none" else args.max_decode_slowdown
+    engine_args.update(args.engine_args)
     return engine_args
 
 
@@ -526,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         figures.update(versus_peer(figures, "vllm"))
         if args.vllm_client:
             figures["vllm_client"] = vllm_client_figures(http[""]["vllm_client"], peer["vllm_client"])
-    figures["config"] = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
+    figures["config"] = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "engine_args": args.engine_args,
                          "max_decode_slowdown": args.max_decode_slowdown,
                          "served": args.served, "serving_path": args.serving_path, "num_requests": args.num_requests, "rate": args.rate, "rate_requests": args.rate_requests,
                          "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
