@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from model_worker.config import EngineConfig
+
 from loadtest.results import summarize
 from simulator.cluster import SimCluster
 from loadtest.results import RequestResult
@@ -91,7 +93,9 @@ def test_cluster_config_takes_the_deployments_limits_router_and_admission():
     config = cluster_config(app, 2048, step_overhead_s=0.002)
     limits = config.scheduler
     assert (limits.num_kv_blocks, limits.max_num_seqs, config.num_replicas) == (320, 4, 3)
-    assert (limits.block_size, limits.max_num_batched_tokens, limits.max_model_len) == (16, 512, 2048)
+    defaults = EngineConfig()
+    assert (limits.block_size, limits.max_num_batched_tokens, limits.max_model_len) == \
+        (defaults.block_size, defaults.max_num_batched_tokens, 2048)
     assert config.router.policy == "pow2" and config.dispatch_ttl_s == 4.0
     assert config.routing_stats_period_s == 0.5 and config.admission == {"max_waiting_requests": 7}
     assert config.step_overhead_s == 0.002
