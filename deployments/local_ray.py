@@ -21,12 +21,31 @@ environment of each of its processes when they start.
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 SETUP_HOOK = "deployments.local_ray.bind_replica_grpc_to_loopback"
 
 SERVING_PATHS = ("direct", "proxy")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port on `host` that is free now (the OS's choice)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_error(host: str, port: int) -> str | None:
+    """Why `port` on `host` cannot be listened on now, or None if it can."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
 # Ports from the HTTP port up that direct ingress may give ingress replicas: the first goes to the
 # first application's one ingress replica; the rest to other applications' ingresses (each has a
 # port of its own) and to a replacement that starts before the replica it replaces has let go.

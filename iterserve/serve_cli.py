@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -62,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
                               "engine_args": engine_args, "llm_server_actor_options": actor_options})
     print(f"iterserve: starting Ray and {args.replicas} replica(s)", flush=True)
     started_s = time.monotonic()
-    from deployments.local_ray import init_local_ray
+    from deployments.local_ray import free_port, init_local_ray
 
     direct = args.serving_path == "direct"
     init_local_ray(args.serving_path, args.port if direct else None, include_dashboard=args.dashboard,
@@ -77,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         # With direct ingress the proxy still runs; it must not take the port the ingress listens on.
-        proxy_port = _free_port(args.host) if direct else args.port
+        proxy_port = free_port(args.host) if direct else args.port
         serve.start(http_options={"host": args.host, "port": proxy_port})
         serve.run(build_app(dataclasses.asdict(app_args)), name=APP_NAME, route_prefix="/")
         _print_ready(args, time.monotonic() - started_s, proxy_port)
@@ -93,17 +92,11 @@ def run(args: argparse.Namespace) -> int:
 def _check_port_free(host: str, port: int) -> None:
     """A clear error now, not a server that comes up elsewhere: direct ingress moves to the next
     port when its own is taken."""
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise ValueError(f"--port {port} on {host} is not free: {exc.strerror}") from None
+    from deployments.local_ray import port_error
 
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    error = port_error(host, port)
+    if error is not None:
+        raise ValueError(f"--port {port} on {host} is not free: {error}")
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import socket
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from deployments.local_ray import free_port, port_error
 
 
 def free_port_range(count: int, attempts: int = 50) -> int:
     """The first of `count` consecutive loopback ports that are all free now."""
     for _ in range(attempts):
         first = free_port()
-        if first + count <= 65536 and all(_is_free(port) for port in range(first + 1, first + count)):
+        rest = range(first + 1, first + count)
+        if first + count <= 65536 and all(port_error("127.0.0.1", port) is None for port in rest):
             return first
     raise RuntimeError(f"found no {count} consecutive free ports on 127.0.0.1 in {attempts} tries")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def start_local_serve(num_cpus: int | None = None, serving_path: str = "proxy") -> str:
