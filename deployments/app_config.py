@@ -70,7 +70,7 @@ class AppArgs:
     request_body_timeout_s: float = 30.0
     # Chunks per second each LLMServer replica streams over all its requests; beyond it a request's
     # tokens go out together (deployments/llm_server.py STREAM_CHUNKS_PER_S says why and how).
-    stream_chunks_per_s: float = 200.0
+    stream_chunks_per_s: float = 50.0
 
     def __post_init__(self) -> None:
         if self.autoscaling is not None and self.num_replicas is not None:

@@ -49,15 +49,17 @@ ENGINE_STALL_S = 5.0
 # a replica is only killed for a hang, never for one slow step.
 ENGINE_HUNG_S = 30.0
 # Chunks per second one replica streams over all its requests. Each chunk costs every hop a Ray
-# message or an SSE event, a millisecond or so of CPU in each of the replica, the ingress, the HTTP
-# proxy and the client (docs/benchmarks.md, 'The serving path against the engine alone, and
-# against vLLM'), so a token per chunk, with many streams and a fast step, spends more CPU on the
-# path than the engine spends on the step. Within the budget every token goes out as it comes;
-# beyond it a request's tokens go out together, at most every num_open_streams / budget seconds.
-# A first token and a last chunk are never held back, so TTFT and end-to-end latency (and TPOT)
-# are the engine's; only the spacing of the text in between coarsens under load (SGLang's
-# --stream-interval, in time instead of tokens).
-STREAM_CHUNKS_PER_S = 200.0
+# message or an SSE event: about a millisecond of CPU over the replica, the ingress, the HTTP proxy
+# and the client together, on the CPU machines of docs/benchmarks.md, so a token per chunk, with
+# many streams and a fast step, spends more CPU on the path than the engine spends on the step, and
+# where the engine shares the cores that CPU is taken from its step. Within the budget every token
+# goes out as it comes; beyond it a request's tokens go out together, at most every
+# num_open_streams / budget seconds. A first token and a last chunk are never held back, so TTFT
+# and end-to-end latency (and TPOT) are the engine's; only the spacing of the text in between
+# coarsens under load (SGLang's --stream-interval, in time instead of tokens). 50 rather than 200:
+# on two cores, 16 streams served at 298 against 241 tok/s and one request at 1 req/s got its
+# tokens 30 against 34 ms apart (docs/benchmarks.md, 'Speed on the CPU against vLLM, third pass').
+STREAM_CHUNKS_PER_S = 50.0
 
 
 class LLMServer:

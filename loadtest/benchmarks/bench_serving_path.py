@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-args", type=json.loads, default={},
                    help='more EngineConfig fields as JSON for both our engine and server, e.g. '
                         '\'{"max_num_batched_tokens": 2048}\' (applied after --dtype and --threads)')
+    p.add_argument("--app-args", type=json.loads, default={},
+                   help='JSON object of AppConfig fields for the served runs (deployments/app_config.py), e.g. '
+                        '\'{"stream_chunks_per_s": 50}\'; recorded in the JSON\'s config')
     p.add_argument("--num-requests", type=int, default=None, help="requests sent at once (default 64; quick 16)")
     p.add_argument("--rate", type=float, default=1.0, help="arrivals per second of the light-load run")
     p.add_argument("--rate-requests", type=int, default=None, help="requests of the light-load run (default 30; quick 12)")
@@ -205,7 +208,8 @@ def served(args: argparse.Namespace, burst: list[BenchRequest], light: list[Benc
                     # The burst must be measured, not shed.
                     "admission": {"max_waiting_requests": 100_000},
                     "ingress_admission": {"max_waiting_requests": 100_000, "batch_max_wait_s": 1e9,
-                                          "queue_timeout_s": 1e9}}
+                                          "queue_timeout_s": 1e9},
+                    **args.app_args}
         started_s = time.monotonic()
         serve.run(build_app(app_args), name="iterserve", route_prefix="/")
         print(f"server up in {time.monotonic() - started_s:.0f} s at {base} ({path} serving path)", flush=True)
@@ -532,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         figures.update(versus_peer(figures, "vllm"))
         if args.vllm_client:
             figures["vllm_client"] = vllm_client_figures(http[""]["vllm_client"], peer["vllm_client"])
-    figures["config"] = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "engine_args": args.engine_args,
+    figures["config"] = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "engine_args": args.engine_args, "app_args": args.app_args,
                          "max_decode_slowdown": args.max_decode_slowdown,
                          "served": args.served, "serving_path": args.serving_path, "num_requests": args.num_requests, "rate": args.rate, "rate_requests": args.rate_requests,
                          "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
