@@ -29,8 +29,9 @@ VOCAB = 259  # byte tokens 3..258: every token decodes
 def make_replica(replica_id: str) -> LLMServer:
     runner = FakeKVRunner(256, 4, 1024, VOCAB, step_delay_s=0.002)
     engine = LLMEngine(EngineConfig(block_size=4), model_runner=runner, tokenizer=ByteTokenizer())
+    # A chunk per token (no folding under the chunk budget): the faults strike after a count of chunks.
     return LLMServer(engine=AsyncLLMEngine(engine=engine), served_model_name="m", replica_id=replica_id,
-                     keepalive_interval_s=0.05)
+                     keepalive_interval_s=0.05, stream_chunks_per_s=1e6)
 
 
 class FakeResponses:
