@@ -536,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
         figures.update(versus_peer(figures, "vllm"))
         if args.vllm_client:
             figures["vllm_client"] = vllm_client_figures(http[""]["vllm_client"], peer["vllm_client"])
-    figures["config"] = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "engine_args": args.engine_args, "app_args": args.app_args,
+    figures["config"] = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "engine_args": args.engine_args,
+                         "app_args": args.app_args,
                          "max_decode_slowdown": args.max_decode_slowdown,
                          "served": args.served, "serving_path": args.serving_path, "num_requests": args.num_requests, "rate": args.rate, "rate_requests": args.rate_requests,
                          "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,

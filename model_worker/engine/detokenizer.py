@@ -19,8 +19,9 @@ def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     """`ids -> text` as `tokenizer.decode(ids, skip_special_tokens=True)` gives it. For a
     transformers tokenizer over a Rust `tokenizers.Tokenizer` that cleans up no spaces, that
     Tokenizer's own decode, which is what transformers calls after converting its argument and
-    reading its options: about 1 us a call against 8, and a decode step makes two calls per
-    sequence (at batch 256 on the tiny model, most of the host time left over the step)."""
+    reading its options: 1.1 against 4.9 us a call (tiny tokenizer), 2.3 against 3.8 (SmolLM2's).
+    A decode step makes two calls per sequence: at batch 256 on the tiny model the step's host
+    time went from 3.87 to 2.35 ms with it (docs/benchmarks.md, 'third pass')."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if (type(backend).__name__ == "Tokenizer" and type(backend).__module__.startswith("tokenizers")
             and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False):
@@ -36,7 +37,6 @@ def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
-        self.tokenizer = tokenizer
         self._decode = text_decoder(tokenizer)
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0

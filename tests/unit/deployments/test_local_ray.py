@@ -37,4 +37,3 @@ def test_a_free_port_range_is_free_throughout():
     for port in range(first, first + DIRECT_INGRESS_PORTS):
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
-
