@@ -109,26 +109,40 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// DecodePart::run for G query heads per kv head and head_dim = 16 * C, with the group's queries and
-// accumulators in registers: per kv head, the scores of 16 positions at a time (their 16 dot
-// products summed across lanes together), then the exponentials, then V weighted by them.
+// DecodePart::run for G query heads per kv head and head_dim = 16 * C, with a kv head's queries and
+// accumulators in registers: the range is walked 16 positions at a time, and within each tile every
+// kv head in turn (the tile's slots, all kv heads, are contiguous in the cache: read front to back,
+// not one stride per kv head), first K for the scores of the 16 positions (their 16 dot products
+// summed across lanes together), then, after the exponentials, V weighted by them. The next tile's
+// slots are prefetched while one is computed: a block's successor can lie anywhere in the cache,
+// where the hardware's prefetchers, which stop at page boundaries, do not follow.
 template <typename T, int G, int C>
 void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* blocks, int64_t num_kv_heads,
                         int64_t block_size, const float* query, int64_t begin, int64_t end, float* scores,
                         float* row_max, float* denom, float* acc) {
   constexpr int64_t D = 16 * C;
-  const int64_t len = end - begin, slot_stride = num_kv_heads * D;
+  const int64_t len = end - begin, slot_stride = num_kv_heads * D, num_heads = num_kv_heads * G;
   auto slot = [&](const T* cache, int64_t pos) {
     return cache + (blocks[pos / block_size] * block_size + pos % block_size) * slot_stride;
   };
-  for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-    __m512 q[G][C];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(query + (kv * G + g) * D + 16 * c);
-    __m512 max[G];
-    for (int g = 0; g < G; ++g) max[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t tile = begin; tile < end; tile += 16) {
-      const int n = static_cast<int>(std::min<int64_t>(16, end - tile));
+  auto prefetch_tile = [&](const T* cache, int64_t tile) {
+    const int64_t stop = std::min<int64_t>(tile + 16, end);
+    const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
+    for (int64_t pos = tile; pos < stop; ++pos) {
+      const char* p = reinterpret_cast<const char*>(slot(cache, pos));
+      for (int64_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+  };
+  for (int64_t h = 0; h < num_heads; ++h) row_max[h] = -std::numeric_limits<float>::infinity();
+  prefetch_tile(k_cache, begin);
+  for (int64_t tile = begin; tile < end; tile += 16) {
+    prefetch_tile(k_cache, tile + 16);
+    const int n = static_cast<int>(std::min<int64_t>(16, end - tile));
+    const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xffffu : (1u << n) - 1u);
+    for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+      __m512 q[G][C];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(query + (kv * G + g) * D + 16 * c);
       __m512 dots[G][16];
       for (int p = 0; p < 16; ++p) {
         if (p >= n) {
@@ -144,41 +158,47 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
           dots[g][p] = sum;
         }
       }
-      const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xffffu : (1u << n) - 1u);
       for (int g = 0; g < G; ++g) {
+        const int64_t h = kv * G + g;
         const __m512 s = reduce16(dots[g]);
-        _mm512_mask_storeu_ps(scores + (kv * G + g) * len + (tile - begin), valid, s);
-        max[g] = _mm512_mask_max_ps(max[g], valid, max[g], s);
+        _mm512_mask_storeu_ps(scores + h * len + (tile - begin), valid, s);
+        row_max[h] = std::max(row_max[h], _mm512_mask_reduce_max_ps(valid, s));
       }
     }
-    for (int g = 0; g < G; ++g) {
-      const int64_t h = kv * G + g;
-      float* sh = scores + h * len;
-      row_max[h] = _mm512_reduce_max_ps(max[g]);
-      const __m512 m = _mm512_set1_ps(row_max[h]);
-      __m512 total = _mm512_setzero_ps();
-      for (int64_t i = 0; i < len; i += 16) {
-        const __mmask16 valid = static_cast<__mmask16>(len - i >= 16 ? 0xffffu : (1u << (len - i)) - 1u);
-        const __m512 e = _mm512_maskz_mov_ps(valid, exp_clamped(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sh + i), m)));
-        _mm512_mask_storeu_ps(sh + i, valid, e);
-        total = _mm512_add_ps(total, e);
-      }
-      denom[h] = _mm512_reduce_add_ps(total);
+  }
+  prefetch_tile(v_cache, begin);
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* sh = scores + h * len;
+    const __m512 m = _mm512_set1_ps(row_max[h]);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 valid = static_cast<__mmask16>(len - i >= 16 ? 0xffffu : (1u << (len - i)) - 1u);
+      const __m512 e = _mm512_maskz_mov_ps(valid, exp_clamped(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sh + i), m)));
+      _mm512_mask_storeu_ps(sh + i, valid, e);
+      total = _mm512_add_ps(total, e);
     }
-    __m512 out[G][C];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) out[g][c] = _mm512_setzero_ps();
-    for (int64_t pos = begin; pos < end; ++pos) {
-      const T* v = slot(v_cache, pos) + kv * D;
-      __m512 vc[C];
-      for (int c = 0; c < C; ++c) vc[c] = load16(v + 16 * c);
-      for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[(kv * G + g) * len + pos - begin]);
-        for (int c = 0; c < C; ++c) out[g][c] = _mm512_fmadd_ps(p, vc[c], out[g][c]);
+    denom[h] = _mm512_reduce_add_ps(total);
+  }
+  std::fill(acc, acc + num_heads * D, 0.f);
+  for (int64_t tile = begin; tile < end; tile += 16) {
+    prefetch_tile(v_cache, tile + 16);
+    const int64_t stop = std::min<int64_t>(tile + 16, end);
+    for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+      __m512 out[G][C];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) out[g][c] = _mm512_loadu_ps(acc + (kv * G + g) * D + 16 * c);
+      for (int64_t pos = tile; pos < stop; ++pos) {
+        const T* v = slot(v_cache, pos) + kv * D;
+        __m512 vc[C];
+        for (int c = 0; c < C; ++c) vc[c] = load16(v + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[(kv * G + g) * len + pos - begin]);
+          for (int c = 0; c < C; ++c) out[g][c] = _mm512_fmadd_ps(p, vc[c], out[g][c]);
+        }
       }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (kv * G + g) * D + 16 * c, out[g][c]);
     }
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (kv * G + g) * D + 16 * c, out[g][c]);
   }
 }
 
