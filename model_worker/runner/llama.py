@@ -170,13 +170,15 @@ class PackedLayerWeights:
     post_attention_norm: torch.Tensor  # (hidden,)
     gate_up_proj: torch.Tensor  # packed (2 * intermediate, hidden): gate, then up
     down_proj: torch.Tensor  # packed (hidden, intermediate)
+    # The plain matrices as well, for steps of a few rows (our small-batch kernel), or None.
+    plain: LayerWeights | None = None
 
     @classmethod
-    def pack(cls, layer: LayerWeights) -> PackedLayerWeights:
+    def pack(cls, layer: LayerWeights, keep_plain: bool = False) -> PackedLayerWeights:
         return cls(input_norm=layer.input_norm, qkv_proj=packed.pack(layer.qkv_proj), qkv_bias=layer.qkv_bias,
                    o_proj=packed.pack(layer.o_proj), o_bias=layer.o_bias,
                    post_attention_norm=layer.post_attention_norm, gate_up_proj=packed.pack(layer.gate_up_proj),
-                   down_proj=packed.pack(layer.down_proj))
+                   down_proj=packed.pack(layer.down_proj), plain=layer if keep_plain else None)
 
 
 @dataclass(slots=True)
@@ -208,7 +210,12 @@ class LlamaDecoder:
 
     On CPU the matrices of every layer and the LM head are packed once for oneDNN
     (model_worker/runner/linear.py) where it runs the dtype, unless `pack_weights` is False; the
-    layers' plain copies are then dropped, the embedding table (the tied head) kept. A packed layer
+    layers' plain copies are then dropped, the embedding table (the tied head) kept, unless
+    `small_batch_kernel`: then a step of at most `small_rows` rows (a decode step of a few
+    sequences) reads the plain matrices and the plain head through our small-batch kernel
+    (cpu_kernels `small_linear`, which streams a weight at about 90% of the memory's bandwidth where
+    oneDNN's packed matmul reaches about 60%), and larger steps the packed ones: the layers' weights
+    are then held twice (docs/benchmarks.md, 'Speed on the CPU against vLLM, fourth pass'). A packed layer
     adds its residuals as post-ops of the o and down matmuls; with the CPU attention backend it
     also takes RMSNorm and SiLU-times-up from our kernels (model_worker/runner/cpu_kernels/) and
     hands the raw q/k/v projection to the backend, which rotates q and k (in float32, rounded once:
@@ -217,7 +224,7 @@ class LlamaDecoder:
     """
 
     def __init__(self, spec: DecoderSpec, weights: DecoderWeights, attention: AttentionBackend,
-                 max_model_len: int, pack_weights: bool = True) -> None:
+                 max_model_len: int, pack_weights: bool = True, small_batch_kernel: bool = True) -> None:
         self.spec = spec
         self.weights = weights
         self.attention = attention
@@ -245,9 +252,12 @@ class LlamaDecoder:
         # differs from it below float32.
         self._fused_norm = dtype == torch.float32
         self.packed = pack_weights and packed.packs(device.type, dtype)
+        # Steps of at most this many rows read the plain weights through our kernel; 0: never.
+        self.small_rows = (cpu_ops.small_linear_max_rows(dtype)
+                           if self.packed and small_batch_kernel and cpu_ops.has_small_linear(dtype) else 0)
         self._head = self._make_head()  # now, so the memory profile sees it
         if self.packed:
-            self.weights = dataclasses.replace(weights, layers=[PackedLayerWeights.pack(layer)
+            self.weights = dataclasses.replace(weights, layers=[PackedLayerWeights.pack(layer, self.small_rows > 0)
                                                                 for layer in weights.layers])
 
     def set_islands(self, **flags: bool) -> None:
@@ -261,6 +271,8 @@ class LlamaDecoder:
 
     def _make_head(self) -> torch.Tensor:
         head = self.weights.lm_head.float() if self.fp32_logits else self.weights.lm_head
+        # The plain head for a few rows: the model's own tensor (the embedding table when tied).
+        self._small_head = head if self.small_rows and head.dtype == self.dtype and head.is_contiguous() else None
         if self.packed and packed.packs(head.device.type, head.dtype):
             return packed.pack(head)
         return head
@@ -290,6 +302,8 @@ class LlamaDecoder:
         return logits.float() if upcast else logits
 
     def _head_linear(self, normed: torch.Tensor) -> torch.Tensor:
+        if self._small_head is not None and normed.shape[0] <= cpu_ops.SMALL_HEAD_MAX_ROWS and normed.dtype == self.dtype:
+            return cpu_ops.small_linear(normed, self._small_head)
         head = self._head
         return packed.linear(normed, head) if head.is_mkldnn else F.linear(normed, head)
 
@@ -303,6 +317,8 @@ class LlamaDecoder:
                       k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         spec = self.spec
         num_tokens = hidden.shape[0]
+        if layer.plain is not None and num_tokens <= self.small_rows:
+            return self._small_layer(layer.plain, hidden, cos, sin, k_cache, v_cache, attn_metadata)
         qkv = packed.linear(self._packed_norm(hidden, layer.input_norm), layer.qkv_proj, layer.qkv_bias)
         if self.attention.fuses_rotary:
             attn = self.attention.forward_qkv(qkv, k_cache, v_cache, attn_metadata, self.scale, self.cos_table32,
@@ -313,6 +329,30 @@ class LlamaDecoder:
         hidden = self._residual_linear(attn.reshape(num_tokens, spec.q_size), layer.o_proj, layer.o_bias, hidden)
         gate_up = packed.linear(self._packed_norm(hidden, layer.post_attention_norm), layer.gate_up_proj)
         return self._residual_linear(self._silu_and_mul(gate_up), layer.down_proj, None, hidden)
+
+    def _small_layer(self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        """The packed layer's computation for a few rows, every matmul by our small-batch kernel
+        over the plain weights, the residuals added inside it as oneDNN's post-ops add them."""
+        spec = self.spec
+        num_tokens = hidden.shape[0]
+        qkv = cpu_ops.small_linear(self._packed_norm(hidden, layer.input_norm), layer.qkv_proj, layer.qkv_bias)
+        if self.attention.fuses_rotary:
+            attn = self.attention.forward_qkv(qkv, k_cache, v_cache, attn_metadata, self.scale, self.cos_table32,
+                                              self.sin_table32)
+        else:
+            q, k, v = self._rotary(qkv, cos, sin)
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale)
+        hidden = self._small_residual_linear(attn.reshape(num_tokens, spec.q_size), layer.o_proj, layer.o_bias, hidden)
+        gate_up = cpu_ops.small_linear(self._packed_norm(hidden, layer.post_attention_norm), layer.gate_up_proj)
+        return self._small_residual_linear(self._silu_and_mul(gate_up), layer.down_proj, None, hidden)
+
+    @staticmethod
+    def _small_residual_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                               hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.dtype == x.dtype:
+            return cpu_ops.small_linear(x, weight, bias, hidden)
+        return hidden + cpu_ops.small_linear(x, weight, bias)
 
     def _kernels(self, dtype: torch.dtype) -> bool:
         """Whether our CPU kernels take this dtype's elementwise work: with the CPU attention backend."""

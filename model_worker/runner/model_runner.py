@@ -77,7 +77,8 @@ class TorchModelRunner:
         self.max_model_len = self._resolve_max_model_len(config.max_model_len)
         self.block_size = config.block_size
         self.attention = create_attention_backend(config.attention_backend, self.device, self.dtype, config.block_size)
-        self.model = LlamaDecoder(self.spec, checkpoint.weights, self.attention, self.max_model_len)
+        self.model = LlamaDecoder(self.spec, checkpoint.weights, self.attention, self.max_model_len,
+                                  small_batch_kernel=config.small_batch_kernel)
         self.sampler = Sampler(self.device, config.seed)
         # Step inputs go to the device in one asynchronous copy (model_worker/runner/uploader.py).
         self.uploader = Uploader(self.device)

@@ -210,3 +210,48 @@ def test_a_build_lands_by_rename_and_is_reused(tmp_path):
     assert first.is_file() and first.parent.parent == tmp_path / "kernels"
     assert build.library_path(str(tmp_path)) == first
     assert [p.name for p in first.parent.iterdir() if p.name.startswith(".build-")] == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (13, 100), (8, 31), (49152, 64)])
+def test_small_linear_matches_a_float64_matmul_with_bias_and_residual(dtype, rows, out_features, in_features):
+    """Out-feature counts that leave a partial block of eight rows and input widths that leave a
+    partial vector; the sum in float32, rounded once to the dtype."""
+    if not ops.has_small_linear(dtype):
+        pytest.skip("small_linear needs AVX-512 with BW")
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype)
+    residual = torch.randn(rows, out_features, generator=generator).to(dtype)
+    exact = x.double() @ weight.double().T
+    for args, expected in (((), exact), ((bias,), exact + bias.double()),
+                           ((None, residual), exact + residual.double()),
+                           ((bias, residual), exact + bias.double() + residual.double())):
+        got = ops.small_linear(x, weight, *args)
+        assert got.dtype == dtype and got.shape == (rows, out_features)
+        # float32: the order of the sums; bfloat16: one rounding of the result (2^-8 relative).
+        rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (8e-3, 1e-3)
+        torch.testing.assert_close(got.double(), expected.to(dtype).double(), rtol=rtol, atol=atol)
+
+
+def test_small_linear_reads_x_rows_through_their_stride_and_refuses_bad_calls():
+    if not ops.has_small_linear(torch.float32):
+        pytest.skip("small_linear needs AVX-512 with BW")
+    wide = torch.randn(3, 100)
+    x = wide[:, :64]  # rows 100 apart
+    weight = torch.randn(20, 64)
+    torch.testing.assert_close(ops.small_linear(x, weight), x @ weight.T, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="arguments"):
+        ops.small_linear(torch.randn(9, 64), weight)  # more rows than the kernel takes
+    with pytest.raises(ValueError, match="arguments"):
+        ops.small_linear(torch.randn(2, 65), weight)  # widths differ
+    with pytest.raises(ValueError, match="arguments"):
+        ops.small_linear(torch.randn(2, 64).bfloat16(), weight)  # dtypes differ
+    with pytest.raises(ValueError, match="arguments"):
+        ops.small_linear(torch.randn(2, 64), weight.T.contiguous().T)  # a weight that is not row-major
+    with pytest.raises(ValueError, match="residual"):
+        ops.small_linear(torch.randn(2, 64), weight, None, torch.randn(3, 20))
+    with pytest.raises(ValueError, match="bias"):
+        ops.small_linear(torch.randn(2, 64), weight, torch.randn(21))

@@ -549,6 +549,120 @@ void argmax_rows(const T* x, int64_t row_stride, int64_t rows, int64_t width, in
   });
 }
 
+// Linear layers for a few rows: out[m] = x[m] @ w^T (+ bias) (+ residual[m]) for rows <= 8, w
+// (out_features, in_features) row-major, summed in float32 and rounded once. A decode step of a few
+// sequences reads every weight once and does little else, so what counts is how close the read
+// comes to the memory's bandwidth: each thread streams a contiguous range of w's rows, eight at a
+// time, against up to three x rows held in registers, and prefetches the next eight rows while it
+// computes these (oneDNN's packed matmuls reach about 60% of a streaming read at these sizes, this
+// about 90%: docs/benchmarks.md). Where the CPU has AVX512_BF16, bfloat16 pairs go through dpbf16ps.
+// Returns false where this build has no such kernel (no AVX-512 BW): the caller keeps oneDNN.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <typename T>
+struct DotTraits;
+
+template <>
+struct DotTraits<float> {
+  static constexpr int64_t kStep = 16;
+  using Vec = __m512;
+  static Vec load(const float* p, int64_t left) {
+    return left >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << left) - 1u), p);
+  }
+  static __m512 madd(__m512 acc, Vec w, Vec x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+
+#if defined(__AVX512BF16__)
+template <>
+struct DotTraits<bf16> {
+  static constexpr int64_t kStep = 32;
+  using Vec = __m512i;
+  static Vec load(const bf16* p, int64_t left) {
+    return left >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << left) - 1ull), p);
+  }
+  static __m512 madd(__m512 acc, Vec w, Vec x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+};
+#else
+template <>
+struct DotTraits<bf16> {
+  static constexpr int64_t kStep = 16;
+  using Vec = __m512;
+  static Vec load(const bf16* p, int64_t left) {
+    const __m256i bits = left >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                    : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << left) - 1u), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+  static __m512 madd(__m512 acc, Vec w, Vec x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+#endif
+
+constexpr int kLinearBlock = 8;    // rows of w a thread computes at a time
+constexpr int kLinearGroup = 3;    // rows of x against them in one pass (3 x 8 accumulators)
+constexpr int64_t kLinearMaxRows = 8;
+
+// sums[m][r] = x[m] . w[r] for m < G, r < n (rows r >= n read row n - 1 and are ignored).
+template <typename T, int G>
+void dot_block(const T* x, int64_t x_row_stride, const T* w, int64_t in, int n, float (*sums)[kLinearBlock]) {
+  using Traits = DotTraits<T>;
+  __m512 acc[G][kLinearBlock];
+  for (int m = 0; m < G; ++m)
+    for (int r = 0; r < kLinearBlock; ++r) acc[m][r] = _mm512_setzero_ps();
+  const T* rows[kLinearBlock];
+  for (int r = 0; r < kLinearBlock; ++r) rows[r] = w + std::min(r, n - 1) * in;
+  for (int64_t k = 0; k < in; k += Traits::kStep) {
+    const int64_t left = in - k;
+    typename Traits::Vec xv[G];
+    for (int m = 0; m < G; ++m) xv[m] = Traits::load(x + m * x_row_stride + k, left);
+    for (int r = 0; r < kLinearBlock; ++r) {
+      const typename Traits::Vec wv = Traits::load(rows[r] + k, left);
+      for (int m = 0; m < G; ++m) acc[m][r] = Traits::madd(acc[m][r], wv, xv[m]);
+    }
+  }
+  for (int m = 0; m < G; ++m)
+    for (int r = 0; r < n; ++r) sums[m][r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+template <typename T>
+bool small_linear(const T* x, int64_t x_row_stride, int64_t rows, const T* w, int64_t in, int64_t out_features,
+                  const T* bias, const T* residual, int64_t residual_row_stride, T* out, int64_t out_row_stride) {
+  if (rows < 1 || rows > kLinearMaxRows) return false;
+  const int64_t blocks = (out_features + kLinearBlock - 1) / kLinearBlock;
+  const int64_t block_bytes = kLinearBlock * in * static_cast<int64_t>(sizeof(T));
+  for_each_index(blocks, blocks > 1, [&](int64_t b) {
+    const int64_t o = b * kLinearBlock;
+    const int n = static_cast<int>(std::min<int64_t>(kLinearBlock, out_features - o));
+    if (o + kLinearBlock < out_features) {
+      const char* next = reinterpret_cast<const char*>(w + (o + kLinearBlock) * in);
+      const int64_t next_bytes = std::min<int64_t>(block_bytes, (out_features - o - kLinearBlock) * in * sizeof(T));
+      for (int64_t byte = 0; byte < next_bytes; byte += 64) _mm_prefetch(next + byte, _MM_HINT_T0);
+    }
+    float sums[kLinearGroup][kLinearBlock];
+    for (int64_t m = 0; m < rows; m += kLinearGroup) {
+      const int g = static_cast<int>(std::min<int64_t>(kLinearGroup, rows - m));
+      const T* xm = x + m * x_row_stride;
+      if (g == 3) dot_block<T, 3>(xm, x_row_stride, w + o * in, in, n, sums);
+      else if (g == 2) dot_block<T, 2>(xm, x_row_stride, w + o * in, in, n, sums);
+      else dot_block<T, 1>(xm, x_row_stride, w + o * in, in, n, sums);
+      for (int i = 0; i < g; ++i) {
+        T* orow = out + (m + i) * out_row_stride + o;
+        const T* rrow = residual ? residual + (m + i) * residual_row_stride + o : nullptr;
+        for (int r = 0; r < n; ++r) {
+          float v = sums[i][r];
+          if (bias) v += to_float(bias[o + r]);
+          if (rrow) v += to_float(rrow[r]);
+          orow[r] = from_float<T>(v);
+        }
+      }
+    }
+  });
+  return true;
+}
+#else
+template <typename T>
+bool small_linear(const T*, int64_t, int64_t, const T*, int64_t, int64_t, const T*, const T*, int64_t, T*, int64_t) {
+  return false;
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -587,6 +701,12 @@ void decode_attention_bf16(const bf16* q, int64_t q_token_stride, const bf16* k_
   }                                                                                                                 \
   void silu_and_mul_##SUFFIX(const T* x, int64_t x_row_stride, T* out, int64_t rows, int64_t width) {               \
     silu_and_mul(x, x_row_stride, out, rows, width);                                                                \
+  }                                                                                                                 \
+  int small_linear_##SUFFIX(const T* x, int64_t x_row_stride, int64_t rows, const T* w, int64_t in,                 \
+                            int64_t out_features, const T* bias, const T* residual, int64_t residual_row_stride,    \
+                            T* out, int64_t out_row_stride) {                                                       \
+    return small_linear(x, x_row_stride, rows, w, in, out_features, bias, residual, residual_row_stride, out,       \
+                        out_row_stride);                                                                            \
   }
 
 ITERSERVE_EXPORT(f32, float)

@@ -26,6 +26,16 @@ _I = ctypes.c_int64
 _F = ctypes.c_float
 # Positions of one part of a decode row's context (kernels.cpp, decode_attention).
 SPLIT_LEN = 256
+# The most rows `small_linear` takes (kernels.cpp, kLinearMaxRows).
+SMALL_LINEAR_MAX_ROWS = 8
+# Up to how many rows it beats oneDNN's packed matmul, SmolLM2's matrices on 2 cores of an Intel
+# AVX-512/AMX machine (docs/benchmarks.md, 'Speed on the CPU against vLLM, fourth pass'): a layer's
+# four matrices, 30 layers, bfloat16 7.4 / 8.0 / 9.2 / 10.6 ms at 1-4 rows against oneDNN's
+# 11.4-12.0 (but a whole step at 4 rows was slower than oneDNN's), float32 16.0 / 16.8 / 18.0 ms at
+# 1-3 against 19.6-20.3. A 49152-row LM head, which oneDNN reads well: 2.25 against 2.5 ms at one
+# row, 2.5 against 2.5 at two.
+_FASTER_UP_TO = {torch.bfloat16: 3, torch.float32: 3}
+SMALL_HEAD_MAX_ROWS = 1
 
 
 @functools.cache
@@ -40,11 +50,12 @@ def kernels() -> ctypes.CDLL | None:
                   "rms_norm": [_P, _I, _P, _P, _I, _I, _F],
                   "rotary_and_cache": [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
                   "argmax_rows": [_P, _I, _I, _I, _P],
-                  "silu_and_mul": [_P, _I, _P, _I, _I]}
+                  "silu_and_mul": [_P, _I, _P, _I, _I],
+                  "small_linear": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I]}
     for name, argtypes in signatures.items():
         for suffix in _SUFFIX.values():
             function = getattr(library, f"{name}_{suffix}")
-            function.restype = None
+            function.restype = ctypes.c_int if name == "small_linear" else None
             function.argtypes = argtypes
     return library
 
@@ -156,6 +167,60 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         getattr(_library(), f"silu_and_mul_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.stride(0), out.data_ptr(), rows,
                                                                double_width // 2)
     return out
+
+
+@functools.cache
+def has_small_linear(dtype: torch.dtype) -> bool:
+    """Whether this machine's build has `small_linear` (it needs AVX-512 with BW)."""
+    library = kernels()
+    if library is None or dtype not in _SUFFIX:
+        return False
+    x, w = torch.zeros(1, 16, dtype=dtype), torch.zeros(16, 16, dtype=dtype)
+    out = torch.empty(1, 16, dtype=dtype)
+    return bool(getattr(library, f"small_linear_{_SUFFIX[dtype]}")(x.data_ptr(), 16, 1, w.data_ptr(), 16, 16, None,
+                                                                    None, 0, out.data_ptr(), 16))
+
+
+def small_linear_max_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows `small_linear` is the faster matmul for this dtype."""
+    return _FASTER_UP_TO.get(dtype, 0)
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias) (+ residual) for x (rows, in_features) with 1 <= rows <=
+    SMALL_LINEAR_MAX_ROWS, weight (out_features, in_features) plain and contiguous, bias
+    (out_features,), residual (rows, out_features): summed in float32, rounded once to x's dtype.
+    Only where `has_small_linear(x.dtype)`. A decode step makes over a hundred of these calls, so
+    the checks are few and cheap: shapes, strides, dtypes and the device."""
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    dtype = x.dtype
+    _check(dtype in _SUFFIX and weight.dtype == dtype and x.is_cpu and weight.is_cpu
+           and 1 <= rows <= SMALL_LINEAR_MAX_ROWS and x.stride(1) == 1 and weight.is_contiguous()
+           and weight.shape[1] == in_features, "bad small_linear arguments")
+    if bias is not None:
+        _check(bias.dtype == dtype and bias.shape == (out_features,) and bias.is_contiguous(), "bad bias")
+    if residual is not None:
+        _check(residual.dtype == dtype and residual.shape == (rows, out_features) and residual.stride(1) == 1,
+               "bad residual")
+    out = torch.empty((rows, out_features), dtype=dtype)
+    done = (_SMALL_LINEAR_BF16 if dtype == torch.bfloat16 else _SMALL_LINEAR_F32)()(
+        x.data_ptr(), x.stride(0), rows, weight.data_ptr(), in_features, out_features,
+        None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0), out.data_ptr(), out_features)
+    _check(bool(done), "small_linear is not built for this CPU")
+    return out
+
+
+@functools.cache
+def _SMALL_LINEAR_BF16() -> ctypes._CFuncPtr:
+    return _library().small_linear_bf16
+
+
+@functools.cache
+def _SMALL_LINEAR_F32() -> ctypes._CFuncPtr:
+    return _library().small_linear_f32
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
