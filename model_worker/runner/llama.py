@@ -215,7 +215,9 @@ class LlamaDecoder:
     sequences) reads the plain matrices and the plain head through our small-batch kernel
     (cpu_kernels `small_linear`, which streams a weight at about 90% of the memory's bandwidth where
     oneDNN's packed matmul reaches about 60%), and larger steps the packed ones: the layers' weights
-    are then held twice (docs/benchmarks.md, 'Speed on the CPU against vLLM, fourth pass'). A packed layer
+    are then held twice (docs/benchmarks.md, 'Speed on the CPU against vLLM, fourth pass'). With the
+    CPU attention backend such a step, when every row decodes, runs each layer in one call of our
+    kernels (cpu_kernels `small_layer`, the calls of `_small_layer` from C++, the same bits). A packed layer
     adds its residuals as post-ops of the o and down matmuls; with the CPU attention backend it
     also takes RMSNorm and SiLU-times-up from our kernels (model_worker/runner/cpu_kernels/) and
     hands the raw q/k/v projection to the backend, which rotates q and k (in float32, rounded once:
@@ -259,6 +261,12 @@ class LlamaDecoder:
         if self.packed:
             self.weights = dataclasses.replace(weights, layers=[PackedLayerWeights.pack(layer, self.small_rows > 0)
                                                                 for layer in weights.layers])
+        # With the CPU attention backend, a decode-only step of a few rows runs each layer in one
+        # call of our kernels (cpu_kernels small_layer: _small_layer's calls, from C++).
+        self._small_layers = ([cpu_ops.SmallLayer.of(p.input_norm, p.qkv_proj, p.qkv_bias, p.o_proj, p.o_bias,
+                                                     p.post_attention_norm, p.gate_up_proj, p.down_proj)
+                               for p in (layer.plain for layer in self.weights.layers)]
+                              if self.small_rows and self.attention.fuses_rotary else None)
 
     def set_islands(self, **flags: bool) -> None:
         """Turn float32 islands on or off by name (fp32_residual, fp32_rotary, fp32_logits,
@@ -288,8 +296,13 @@ class LlamaDecoder:
         tables = (self.cos_table32, self.sin_table32) if self.fp32_rotary else (self.cos_table, self.sin_table)
         cos = tables[0][positions].unsqueeze(1)  # (T, 1, head_dim)
         sin = tables[1][positions].unsqueeze(1)
-        for layer, (k_cache, v_cache) in zip(weights.layers, kv_caches):
-            hidden = self._layer(layer, hidden, cos, sin, k_cache, v_cache, attn_metadata)
+        if self._runs_small_layers(hidden, attn_metadata):
+            hidden = cpu_ops.small_layers(hidden, self._small_layers, kv_caches, attn_metadata.tokens,
+                                          attn_metadata.decode, self.cos_table32, self.sin_table32,
+                                          self.spec.num_heads, self.spec.rms_norm_eps, self.scale)
+        else:
+            for layer, (k_cache, v_cache) in zip(weights.layers, kv_caches):
+                hidden = self._layer(layer, hidden, cos, sin, k_cache, v_cache, attn_metadata)
         hidden = hidden[logits_indices]  # the final norm is per row, so only sampled rows need it
         if self.fp32_logits:
             normed = F.rms_norm(hidden.float(), self._norm32.shape, self._norm32, self.spec.rms_norm_eps)
@@ -329,6 +342,11 @@ class LlamaDecoder:
         hidden = self._residual_linear(attn.reshape(num_tokens, spec.q_size), layer.o_proj, layer.o_bias, hidden)
         gate_up = packed.linear(self._packed_norm(hidden, layer.post_attention_norm), layer.gate_up_proj)
         return self._residual_linear(self._silu_and_mul(gate_up), layer.down_proj, None, hidden)
+
+    def _runs_small_layers(self, hidden: torch.Tensor, attn_metadata: Any) -> bool:
+        """A decode-only step of at most small_rows rows, the residual stream in the model dtype."""
+        return (self._small_layers is not None and hidden.shape[0] <= self.small_rows and hidden.dtype == self.dtype
+                and not attn_metadata.prefills and attn_metadata.decode.token_rows.shape[0] == hidden.shape[0])
 
     def _small_layer(self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:

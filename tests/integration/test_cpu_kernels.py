@@ -255,3 +255,35 @@ def test_small_linear_reads_x_rows_through_their_stride_and_refuses_bad_calls():
         ops.small_linear(torch.randn(2, 64), weight, None, torch.randn(3, 20))
     with pytest.raises(ValueError, match="bias"):
         ops.small_linear(torch.randn(2, 64), weight, torch.randn(21))
+
+
+def test_small_layers_refuses_what_would_read_out_of_bounds():
+    if not ops.has_small_linear(torch.float32):
+        pytest.skip("small_linear needs AVX-512 with BW")
+    hidden, intermediate, num_heads, num_kv_heads, head_dim = 32, 48, 4, 2, 8
+    qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
+    norm = torch.ones(hidden)
+    parts = dict(input_norm=norm, qkv=torch.randn(qkv_width, hidden), qkv_bias=None,
+                 o=torch.randn(hidden, num_heads * head_dim), o_bias=None, post_norm=norm,
+                 gate_up=torch.randn(2 * intermediate, hidden), down=torch.randn(hidden, intermediate))
+    layer = ops.SmallLayer.of(**parts)
+    with pytest.raises(ValueError, match="shapes"):
+        ops.SmallLayer.of(**(parts | {"down": torch.randn(hidden, intermediate + 1)}))
+    with pytest.raises(ValueError, match="plain"):
+        ops.SmallLayer.of(**(parts | {"qkv": parts["qkv"].bfloat16()}))
+    caches = [(torch.zeros(4, 16, num_kv_heads, head_dim), torch.zeros(4, 16, num_kv_heads, head_dim))]
+    cos = sin = torch.ones(64, head_dim)
+    x = torch.randn(2, hidden)
+    rows = ops.DecodeRows.of(np.array([0, 1]), np.array([[0], [1]]), np.array([3, 5]), 16)
+    tokens = ops.TokenSlots.of(np.array([2, 4]), np.array([2, 20]))
+    out = ops.small_layers(x, [layer], caches, tokens, rows, cos, sin, num_heads, 1e-5, 0.3)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="decode row"):  # a row of the step that is not a decode row
+        ops.small_layers(torch.randn(3, hidden), [layer], caches, ops.TokenSlots.of(np.array([2, 4, 5]),
+                         np.array([2, 20, 21])), rows, cos, sin, num_heads, 1e-5, 0.3)
+    with pytest.raises(ValueError, match="out of range"):
+        ops.small_layers(x, [layer], caches, ops.TokenSlots.of(np.array([2, 4]), np.array([2, 64])), rows, cos,
+                         sin, num_heads, 1e-5, 0.3)
+    with pytest.raises(ValueError, match="decode row"):
+        ops.small_layers(x, [layer], caches, tokens, ops.DecodeRows.of(np.array([0, 1]), np.array([[0], [4]]),
+                         np.array([3, 5]), 16), cos, sin, num_heads, 1e-5, 0.3)

@@ -1,5 +1,6 @@
 """Decode steps of a few sequences through our small-batch kernel (EngineConfig.small_batch_kernel):
-the same greedy text as oneDNN's packed matmuls, on the trained model, and the kernel really run."""
+the same greedy text as oneDNN's packed matmuls, on the trained model, and the kernel really run;
+a layer in one C++ call (cpu_kernels small_layer) gives the bits of its calls from Python."""
 
 from __future__ import annotations
 
@@ -42,7 +43,38 @@ def test_few_row_steps_give_the_packed_matmuls_text_and_run_the_kernel(smollm2_d
     monkeypatch.setattr(ops, "small_linear", lambda x, *args: calls.append(x.shape[0]) or real(x, *args))
     on = LLMEngine(EngineConfig(model=smollm2_dir, dtype="float32", num_kv_blocks=64))
     assert on.runner.model.small_rows == 3
+    on.runner.model._small_layers = None  # every matmul a call from Python, so each is counted
     assert all(layer.plain is not None for layer in on.runner.model.weights.layers)
     got = greedy(on, on.runner.tokenizer, PROMPTS) | {"alone": greedy(on, on.runner.tokenizer, PROMPTS[:1])["0"]}
     assert got == expected
     assert set(calls) == {1, 3}  # 3 rows for the layers of the batch of three, 1 for the lone request
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_layer_in_one_call_gives_the_bits_of_its_calls_from_python(smollm2_dir, monkeypatch, dtype):
+    """Greedy tokens, and the logits of every step, of a lone request and of three at once."""
+    if not ops.has_small_linear(getattr(torch, dtype)):
+        pytest.skip(f"small_linear does not run {dtype} here")
+    engine = LLMEngine(EngineConfig(model=smollm2_dir, dtype=dtype, num_kv_blocks=64))
+    decoder, runner = engine.runner.model, engine.runner
+    fused = decoder._small_layers
+    assert fused is not None and len(fused) == len(decoder.weights.layers)
+    logits: list[torch.Tensor] = []
+    real_forward = decoder.forward
+    monkeypatch.setattr(decoder, "forward", lambda *a, **k: logits.append(real_forward(*a, **k)) or logits[-1])
+    layered = []
+    real_layers = ops.small_layers
+    monkeypatch.setattr(ops, "small_layers", lambda hidden, *a: layered.append(hidden.shape[0]) or
+                        real_layers(hidden, *a))
+    results = {}
+    for name, layers in (("fused", fused), ("calls", None)):
+        decoder._small_layers = layers
+        logits.clear()
+        results[name] = (greedy(engine, runner.tokenizer, PROMPTS) | {"alone": greedy(engine, runner.tokenizer,
+                                                                                      PROMPTS[:1])["0"]},
+                         [t.clone() for t in logits])
+    assert set(layered) == {1, 3}
+    (fused_tokens, fused_logits), (call_tokens, call_logits) = results["fused"], results["calls"]
+    assert fused_tokens == call_tokens
+    assert len(fused_logits) == len(call_logits) > 0
+    assert all(torch.equal(a, b) for a, b in zip(fused_logits, call_logits))

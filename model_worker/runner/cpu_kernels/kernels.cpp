@@ -663,6 +663,57 @@ bool small_linear(const T*, int64_t, int64_t, const T*, int64_t, int64_t, const 
 }
 #endif
 
+// One decoder layer of a decode-only step of a few rows (llama.py, LlamaDecoder._small_layer, the
+// same calls in the same order, so the same bits): RMSNorm, the q/k/v matmul, rotary embedding and
+// the cache write, decode attention, the o matmul and its residual, RMSNorm, gate/up, SiLU-times-up,
+// the down matmul and its residual. One call a layer instead of nine from Python. Tensors as in
+// each function above; `scratch` holds rows * (hidden + qkv_width + q_width + hidden + 2 *
+// intermediate + intermediate) elements. False where small_linear is not built.
+template <typename T>
+struct LayerWeightsPtrs {
+  const T* input_norm;
+  const T* qkv;
+  const T* qkv_bias;
+  const T* o;
+  const T* o_bias;
+  const T* post_norm;
+  const T* gate_up;
+  const T* down;
+};
+
+template <typename T>
+bool small_layer(const T* hidden, T* out, int64_t rows, int64_t hidden_size, int64_t intermediate, float eps,
+                 const LayerWeightsPtrs<T>& w, const int64_t* positions, const float* cos, const float* sin,
+                 const int64_t* slots, T* k_cache, T* v_cache, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_dim, const int64_t* token_rows, const int64_t* block_tables, int64_t block_table_stride,
+                 const int64_t* context_lens, int64_t block_size, float scale, int64_t split_len, T* scratch) {
+  const int64_t q_width = num_heads * head_dim, qkv_width = q_width + 2 * num_kv_heads * head_dim;
+  T* normed = scratch;
+  T* qkv = normed + rows * hidden_size;
+  T* attn = qkv + rows * qkv_width;
+  T* mid = attn + rows * q_width;
+  T* gate_up = mid + rows * hidden_size;
+  T* act = gate_up + rows * 2 * intermediate;
+  rms_norm(hidden, hidden_size, w.input_norm, normed, rows, hidden_size, eps);
+  if (!small_linear(normed, hidden_size, rows, w.qkv, hidden_size, qkv_width, w.qkv_bias, static_cast<const T*>(nullptr),
+                    0, qkv, qkv_width))
+    return false;
+  rotary_and_cache(qkv, qkv_width, positions, cos, sin, slots, k_cache, v_cache, rows, num_heads, num_kv_heads,
+                   head_dim);
+  decode_attention(static_cast<const T*>(qkv), qkv_width, static_cast<const T*>(k_cache),
+                   static_cast<const T*>(v_cache), token_rows, block_tables, block_table_stride, context_lens, attn,
+                   q_width, rows, num_heads, num_kv_heads, head_dim, block_size, scale, split_len);
+  small_linear(static_cast<const T*>(attn), q_width, rows, w.o, q_width, hidden_size, w.o_bias, hidden, hidden_size,
+               mid, hidden_size);
+  rms_norm(static_cast<const T*>(mid), hidden_size, w.post_norm, normed, rows, hidden_size, eps);
+  small_linear(static_cast<const T*>(normed), hidden_size, rows, w.gate_up, hidden_size, 2 * intermediate,
+               static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), 0, gate_up, 2 * intermediate);
+  silu_and_mul(static_cast<const T*>(gate_up), 2 * intermediate, act, rows, intermediate);
+  small_linear(static_cast<const T*>(act), intermediate, rows, w.down, intermediate, hidden_size,
+               static_cast<const T*>(nullptr), static_cast<const T*>(mid), hidden_size, out, hidden_size);
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
@@ -707,6 +758,18 @@ void decode_attention_bf16(const bf16* q, int64_t q_token_stride, const bf16* k_
                             T* out, int64_t out_row_stride) {                                                       \
     return small_linear(x, x_row_stride, rows, w, in, out_features, bias, residual, residual_row_stride, out,       \
                         out_row_stride);                                                                            \
+  }                                                                                                                 \
+  int small_layer_##SUFFIX(const T* hidden, T* out, int64_t rows, int64_t hidden_size, int64_t intermediate,        \
+                           float eps, const T* const* weights, const int64_t* positions, const float* cos,          \
+                           const float* sin, const int64_t* slots, T* k_cache, T* v_cache, int64_t num_heads,       \
+                           int64_t num_kv_heads, int64_t head_dim, const int64_t* token_rows,                      \
+                           const int64_t* block_tables, int64_t block_table_stride, const int64_t* context_lens,    \
+                           int64_t block_size, float scale, int64_t split_len, T* scratch) {                        \
+    const LayerWeightsPtrs<T> w{weights[0], weights[1], weights[2], weights[3],                                     \
+                                weights[4], weights[5], weights[6], weights[7]};                                    \
+    return small_layer(hidden, out, rows, hidden_size, intermediate, eps, w, positions, cos, sin, slots, k_cache,   \
+                       v_cache, num_heads, num_kv_heads, head_dim, token_rows, block_tables, block_table_stride,    \
+                       context_lens, block_size, scale, split_len, scratch);                                        \
   }
 
 ITERSERVE_EXPORT(f32, float)

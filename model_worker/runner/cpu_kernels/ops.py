@@ -28,13 +28,13 @@ _F = ctypes.c_float
 SPLIT_LEN = 256
 # The most rows `small_linear` takes (kernels.cpp, kLinearMaxRows).
 SMALL_LINEAR_MAX_ROWS = 8
-# Up to how many rows it beats oneDNN's packed matmul, SmolLM2's matrices on 2 cores of an Intel
-# AVX-512/AMX machine (docs/benchmarks.md, 'Speed on the CPU against vLLM, fourth pass'): a layer's
-# four matrices, 30 layers, bfloat16 7.4 / 8.0 / 9.2 / 10.6 ms at 1-4 rows against oneDNN's
-# 11.4-12.0 (but a whole step at 4 rows was slower than oneDNN's), float32 16.0 / 16.8 / 18.0 ms at
-# 1-3 against 19.6-20.3. A 49152-row LM head, which oneDNN reads well: 2.25 against 2.5 ms at one
-# row, 2.5 against 2.5 at two.
-_FASTER_UP_TO = {torch.bfloat16: 3, torch.float32: 3}
+# Up to how many rows a decode step through it (each layer one `small_layer` call) beats the same
+# step through oneDNN's packed matmuls: SmolLM2's whole decode step on 2 cores of an Intel
+# AVX-512/AMX machine (docs/benchmarks.md, 'Speed on the CPU against vLLM, fourth pass'), bfloat16
+# 15.8 / 17.6 / 18.8 / 20.3 ms at 3 / 4 / 5 / 6 rows against oneDNN's 18.9 / 18.9 / 19.3 / 19.0;
+# float32 26.8 / 30.1 / 32.4 at 3 / 4 / 5 against 31.2 / 30.7 / 31.9. A 49152-row LM head, which
+# oneDNN reads well: 2.25 against 2.5 ms at one row, 2.5 against 2.5 at two.
+_FASTER_UP_TO = {torch.bfloat16: 4, torch.float32: 3}
 SMALL_HEAD_MAX_ROWS = 1
 
 
@@ -51,11 +51,13 @@ def kernels() -> ctypes.CDLL | None:
                   "rotary_and_cache": [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
                   "argmax_rows": [_P, _I, _I, _I, _P],
                   "silu_and_mul": [_P, _I, _P, _I, _I],
-                  "small_linear": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I]}
+                  "small_linear": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I],
+                  "small_layer": [_P, _P, _I, _I, _I, _F, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P,
+                                  _I, _F, _I, _P]}
     for name, argtypes in signatures.items():
         for suffix in _SUFFIX.values():
             function = getattr(library, f"{name}_{suffix}")
-            function.restype = ctypes.c_int if name == "small_linear" else None
+            function.restype = ctypes.c_int if name in ("small_linear", "small_layer") else None
             function.argtypes = argtypes
     return library
 
@@ -221,6 +223,79 @@ def _SMALL_LINEAR_BF16() -> ctypes._CFuncPtr:
 @functools.cache
 def _SMALL_LINEAR_F32() -> ctypes._CFuncPtr:
     return _library().small_linear_f32
+
+
+@dataclass(frozen=True, slots=True)
+class SmallLayer:
+    """One decoder layer's plain tensors for `small_layers`, checked once at load: the pointers the
+    kernel reads (input norm, q/k/v, its bias, o, its bias, post-attention norm, gate/up, down)."""
+
+    pointers: ctypes.Array
+    tensors: tuple[torch.Tensor | None, ...]  # kept alive with the pointers
+    dtype: torch.dtype
+    hidden_size: int
+    intermediate_size: int
+    qkv_width: int
+    q_width: int
+
+    @classmethod
+    def of(cls, input_norm: torch.Tensor, qkv: torch.Tensor, qkv_bias: torch.Tensor | None, o: torch.Tensor,
+           o_bias: torch.Tensor | None, post_norm: torch.Tensor, gate_up: torch.Tensor,
+           down: torch.Tensor) -> "SmallLayer":
+        """Raises ValueError for shapes that do not make a layer, or tensors not plain and contiguous."""
+        hidden, q_width = o.shape
+        intermediate = down.shape[1]
+        tensors = (input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down)
+        dtype = qkv.dtype
+        _check(all(t is None or (t.dtype == dtype and t.is_cpu and t.layout == torch.strided and t.is_contiguous())
+                   for t in tensors) and dtype in _SUFFIX, "a layer tensor is not plain, contiguous and alike")
+        _check(input_norm.shape == post_norm.shape == (hidden,) and qkv.shape[1] == hidden
+               and gate_up.shape == (2 * intermediate, hidden) and down.shape == (hidden, intermediate)
+               and (qkv_bias is None or qkv_bias.shape == (qkv.shape[0],))
+               and (o_bias is None or o_bias.shape == (hidden,)), "layer shapes do not match")
+        pointers = (ctypes.c_void_p * 8)(*[None if t is None else t.data_ptr() for t in tensors])
+        return cls(pointers, tensors, dtype, hidden, intermediate, qkv.shape[0], q_width)
+
+
+def small_layers(hidden: torch.Tensor, layers: list[SmallLayer], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 tokens: TokenSlots, rows: DecodeRows, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                 eps: float, scale: float) -> torch.Tensor:
+    """Every layer over hidden (rows, hidden_size) for a decode-only step of at most
+    SMALL_LINEAR_MAX_ROWS rows, token t being decode row t (kernels.cpp, small_layer: what
+    LlamaDecoder._small_layer computes, call for call). Returns the last layer's output."""
+    num_rows, hidden_size = hidden.shape
+    first = layers[0]
+    k_cache = kv_caches[0][0]
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    _check(hidden.dtype == first.dtype and hidden.is_cpu and hidden.is_contiguous() and hidden_size == first.hidden_size
+           and 1 <= num_rows <= SMALL_LINEAR_MAX_ROWS and len(layers) == len(kv_caches), "bad small_layers arguments")
+    _check(first.q_width == num_heads * head_dim and first.qkv_width == (num_heads + 2 * num_kv_heads) * head_dim
+           and num_heads % num_kv_heads == 0, "head shapes do not match the layer")
+    _check(rows.token_rows.shape[0] == num_rows and rows.max_token_row < num_rows and rows.block_size == block_size
+           and rows.max_block_id < num_blocks, "every token must be a decode row within the caches")
+    _check(tokens.positions.shape[0] == num_rows and tokens.max_position < cos.shape[0]
+           and tokens.max_slot < num_blocks * block_size and cos.dtype == sin.dtype == torch.float32
+           and cos.shape == sin.shape and cos.shape[1] == head_dim and cos.is_contiguous() and sin.is_contiguous(),
+           "a position or slot out of range")
+    for layer, (k, v) in zip(layers, kv_caches):
+        _check(layer.dtype == hidden.dtype and k.dtype == v.dtype == hidden.dtype and k.shape == v.shape == k_cache.shape
+               and k.is_contiguous() and v.is_contiguous(), "layers or caches differ")
+    intermediate = first.intermediate_size
+    scratch = torch.empty(num_rows * (2 * hidden_size + first.qkv_width + first.q_width + 3 * intermediate),
+                          dtype=hidden.dtype)
+    source, target = hidden, torch.empty_like(hidden)
+    spare = torch.empty_like(hidden)
+    function = getattr(_library(), f"small_layer_{_SUFFIX[hidden.dtype]}")
+    for layer, (k, v) in zip(layers, kv_caches):
+        done = function(source.data_ptr(), target.data_ptr(), num_rows, hidden_size, layer.intermediate_size,
+                        float(eps), layer.pointers, tokens.positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                        tokens.slots.data_ptr(), k.data_ptr(), v.data_ptr(), num_heads, num_kv_heads, head_dim,
+                        rows.token_rows.data_ptr(), rows.block_tables.data_ptr(), rows.block_tables.stride(0),
+                        rows.context_lens.data_ptr(), block_size, float(scale), SPLIT_LEN, scratch.data_ptr())
+        _check(bool(done), "small_layer is not built for this CPU")
+        # The input is never written: the first layer's is the caller's tensor.
+        source, target = target, (spare if source is hidden else source)
+    return source
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
