@@ -217,8 +217,8 @@ class LlamaDecoder:
     oneDNN's packed matmul reaches about 60%), and larger steps the packed ones: the layers' weights
     are then held twice (docs/benchmarks.md, 'Speed on the CPU against vLLM, fourth pass'). With the
     CPU attention backend such a step, when every row decodes, runs each layer in one call of our
-    kernels (cpu_kernels `small_layer`, the calls of `_small_layer` from C++, the same bits). A packed layer
-    adds its residuals as post-ops of the o and down matmuls; with the CPU attention backend it
+    kernels (cpu_kernels `small_layer`, the calls of `_packed_layer`'s few-row path from C++, the
+    same bits). A packed layer adds its residuals as post-ops of the o and down matmuls; with the CPU attention backend it
     also takes RMSNorm and SiLU-times-up from our kernels (model_worker/runner/cpu_kernels/) and
     hands the raw q/k/v projection to the backend, which rotates q and k (in float32, rounded once:
     the fp32_rotary island's numerics, at no cost), writes the cache and attends in one call
@@ -262,7 +262,7 @@ class LlamaDecoder:
             self.weights = dataclasses.replace(weights, layers=[PackedLayerWeights.pack(layer, self.small_rows > 0)
                                                                 for layer in weights.layers])
         # With the CPU attention backend, a decode-only step of a few rows runs each layer in one
-        # call of our kernels (cpu_kernels small_layer: _small_layer's calls, from C++).
+        # call of our kernels (cpu_kernels small_layer: _packed_layer's few-row calls, from C++).
         self._small_layers = ([cpu_ops.SmallLayer.of(p.input_norm, p.qkv_proj, p.qkv_bias, p.o_proj, p.o_bias,
                                                      p.post_attention_norm, p.gate_up_proj, p.down_proj)
                                for p in (layer.plain for layer in self.weights.layers)]
@@ -315,8 +315,9 @@ class LlamaDecoder:
         return logits.float() if upcast else logits
 
     def _head_linear(self, normed: torch.Tensor) -> torch.Tensor:
-        if self._small_head is not None and normed.shape[0] <= cpu_ops.SMALL_HEAD_MAX_ROWS and normed.dtype == self.dtype:
-            return cpu_ops.small_linear(normed, self._small_head)
+        small_head = self._small_head
+        if small_head is not None and normed.shape[0] <= cpu_ops.SMALL_HEAD_MAX_ROWS and normed.dtype == self.dtype:
+            return cpu_ops.small_linear(normed, small_head)
         head = self._head
         return packed.linear(normed, head) if head.is_mkldnn else F.linear(normed, head)
 
@@ -328,49 +329,30 @@ class LlamaDecoder:
 
     def _packed_layer(self, layer: PackedLayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        """oneDNN's packed matmuls, or for a step of at most small_rows rows our small-batch kernel
+        over the plain weights (the residuals added inside it as oneDNN's post-ops add them)."""
         spec = self.spec
         num_tokens = hidden.shape[0]
         if layer.plain is not None and num_tokens <= self.small_rows:
-            return self._small_layer(layer.plain, hidden, cos, sin, k_cache, v_cache, attn_metadata)
-        qkv = packed.linear(self._packed_norm(hidden, layer.input_norm), layer.qkv_proj, layer.qkv_bias)
+            weights, linear, linear_add = layer.plain, cpu_ops.small_linear, cpu_ops.small_linear
+        else:
+            weights, linear, linear_add = layer, packed.linear, packed.linear_add
+        qkv = linear(self._packed_norm(hidden, weights.input_norm), weights.qkv_proj, weights.qkv_bias)
         if self.attention.fuses_rotary:
             attn = self.attention.forward_qkv(qkv, k_cache, v_cache, attn_metadata, self.scale, self.cos_table32,
                                               self.sin_table32)
         else:
             q, k, v = self._rotary(qkv, cos, sin)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale)
-        hidden = self._residual_linear(attn.reshape(num_tokens, spec.q_size), layer.o_proj, layer.o_bias, hidden)
-        gate_up = packed.linear(self._packed_norm(hidden, layer.post_attention_norm), layer.gate_up_proj)
-        return self._residual_linear(self._silu_and_mul(gate_up), layer.down_proj, None, hidden)
+        hidden = self._residual_linear(attn.reshape(num_tokens, spec.q_size), weights.o_proj, weights.o_bias, hidden,
+                                       linear, linear_add)
+        gate_up = linear(self._packed_norm(hidden, weights.post_attention_norm), weights.gate_up_proj)
+        return self._residual_linear(self._silu_and_mul(gate_up), weights.down_proj, None, hidden, linear, linear_add)
 
     def _runs_small_layers(self, hidden: torch.Tensor, attn_metadata: Any) -> bool:
         """A decode-only step of at most small_rows rows, the residual stream in the model dtype."""
         return (self._small_layers is not None and hidden.shape[0] <= self.small_rows and hidden.dtype == self.dtype
                 and not attn_metadata.prefills and attn_metadata.decode.token_rows.shape[0] == hidden.shape[0])
-
-    def _small_layer(self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        """The packed layer's computation for a few rows, every matmul by our small-batch kernel
-        over the plain weights, the residuals added inside it as oneDNN's post-ops add them."""
-        spec = self.spec
-        num_tokens = hidden.shape[0]
-        qkv = cpu_ops.small_linear(self._packed_norm(hidden, layer.input_norm), layer.qkv_proj, layer.qkv_bias)
-        if self.attention.fuses_rotary:
-            attn = self.attention.forward_qkv(qkv, k_cache, v_cache, attn_metadata, self.scale, self.cos_table32,
-                                              self.sin_table32)
-        else:
-            q, k, v = self._rotary(qkv, cos, sin)
-            attn = self.attention.forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale)
-        hidden = self._small_residual_linear(attn.reshape(num_tokens, spec.q_size), layer.o_proj, layer.o_bias, hidden)
-        gate_up = cpu_ops.small_linear(self._packed_norm(hidden, layer.post_attention_norm), layer.gate_up_proj)
-        return self._small_residual_linear(self._silu_and_mul(gate_up), layer.down_proj, None, hidden)
-
-    @staticmethod
-    def _small_residual_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.dtype == x.dtype:
-            return cpu_ops.small_linear(x, weight, bias, hidden)
-        return hidden + cpu_ops.small_linear(x, weight, bias)
 
     def _kernels(self, dtype: torch.dtype) -> bool:
         """Whether our CPU kernels take this dtype's elementwise work: with the CPU attention backend."""
@@ -388,13 +370,13 @@ class LlamaDecoder:
         return F.silu(gate) * up
 
     @staticmethod
-    def _residual_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         hidden: torch.Tensor) -> torch.Tensor:
+    def _residual_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor,
+                         linear: Any, linear_add: Any) -> torch.Tensor:
         """hidden + x @ W^T (+ bias), the addition inside the matmul unless the residual stream is
         float32 (the fp32_residual island), which a lower-precision matmul cannot take as an operand."""
         if hidden.dtype == x.dtype:
-            return packed.linear_add(x, weight, bias, hidden)
-        return hidden + packed.linear(x, weight, bias)
+            return linear_add(x, weight, bias, hidden)
+        return hidden + linear(x, weight, bias)
 
     def _rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

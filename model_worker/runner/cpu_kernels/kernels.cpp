@@ -577,7 +577,8 @@ struct DotTraits<bf16> {
   static constexpr int64_t kStep = 32;
   using Vec = __m512i;
   static Vec load(const bf16* p, int64_t left) {
-    return left >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << left) - 1ull), p);
+    return left >= 32 ? _mm512_loadu_si512(p)
+                      : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << left) - 1ull), p);
   }
   static __m512 madd(__m512 acc, Vec w, Vec x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
 };
@@ -663,7 +664,7 @@ bool small_linear(const T*, int64_t, int64_t, const T*, int64_t, int64_t, const 
 }
 #endif
 
-// One decoder layer of a decode-only step of a few rows (llama.py, LlamaDecoder._small_layer, the
+// One decoder layer of a decode-only step of a few rows (llama.py, LlamaDecoder._packed_layer's few-row path, the
 // same calls in the same order, so the same bits): RMSNorm, the q/k/v matmul, rotary embedding and
 // the cache write, decode attention, the o matmul and its residual, RMSNorm, gate/up, SiLU-times-up,
 // the down matmul and its residual. One call a layer instead of nine from Python. Tensors as in
@@ -695,8 +696,8 @@ bool small_layer(const T* hidden, T* out, int64_t rows, int64_t hidden_size, int
   T* gate_up = mid + rows * hidden_size;
   T* act = gate_up + rows * 2 * intermediate;
   rms_norm(hidden, hidden_size, w.input_norm, normed, rows, hidden_size, eps);
-  if (!small_linear(normed, hidden_size, rows, w.qkv, hidden_size, qkv_width, w.qkv_bias, static_cast<const T*>(nullptr),
-                    0, qkv, qkv_width))
+  if (!small_linear(normed, hidden_size, rows, w.qkv, hidden_size, qkv_width, w.qkv_bias,
+                    static_cast<const T*>(nullptr), 0, qkv, qkv_width))
     return false;
   rotary_and_cache(qkv, qkv_width, positions, cos, sin, slots, k_cache, v_cache, rows, num_heads, num_kv_heads,
                    head_dim);

@@ -207,7 +207,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         _check(residual.dtype == dtype and residual.shape == (rows, out_features) and residual.stride(1) == 1,
                "bad residual")
     out = torch.empty((rows, out_features), dtype=dtype)
-    done = (_SMALL_LINEAR_BF16 if dtype == torch.bfloat16 else _SMALL_LINEAR_F32)()(
+    done = _small_linear_function(dtype)(
         x.data_ptr(), x.stride(0), rows, weight.data_ptr(), in_features, out_features,
         None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
         0 if residual is None else residual.stride(0), out.data_ptr(), out_features)
@@ -216,13 +216,8 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 @functools.cache
-def _SMALL_LINEAR_BF16() -> ctypes._CFuncPtr:
-    return _library().small_linear_bf16
-
-
-@functools.cache
-def _SMALL_LINEAR_F32() -> ctypes._CFuncPtr:
-    return _library().small_linear_f32
+def _small_linear_function(dtype: torch.dtype) -> ctypes._CFuncPtr:
+    return getattr(_library(), f"small_linear_{_SUFFIX[dtype]}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +257,8 @@ def small_layers(hidden: torch.Tensor, layers: list[SmallLayer], kv_caches: list
                  eps: float, scale: float) -> torch.Tensor:
     """Every layer over hidden (rows, hidden_size) for a decode-only step of at most
     SMALL_LINEAR_MAX_ROWS rows, token t being decode row t (kernels.cpp, small_layer: what
-    LlamaDecoder._small_layer computes, call for call). Returns the last layer's output."""
+    LlamaDecoder._packed_layer computes for a few rows, call for call). Returns the last layer's
+    output."""
     num_rows, hidden_size = hidden.shape
     first = layers[0]
     k_cache = kv_caches[0][0]
@@ -278,8 +274,8 @@ def small_layers(hidden: torch.Tensor, layers: list[SmallLayer], kv_caches: list
            and cos.shape == sin.shape and cos.shape[1] == head_dim and cos.is_contiguous() and sin.is_contiguous(),
            "a position or slot out of range")
     for layer, (k, v) in zip(layers, kv_caches):
-        _check(layer.dtype == hidden.dtype and k.dtype == v.dtype == hidden.dtype and k.shape == v.shape == k_cache.shape
-               and k.is_contiguous() and v.is_contiguous(), "layers or caches differ")
+        _check(layer.dtype == hidden.dtype and k.dtype == v.dtype == hidden.dtype
+               and k.shape == v.shape == k_cache.shape and k.is_contiguous() and v.is_contiguous(), "layers or caches differ")
     intermediate = first.intermediate_size
     scratch = torch.empty(num_rows * (2 * hidden_size + first.qkv_width + first.q_width + 3 * intermediate),
                           dtype=hidden.dtype)
