@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from model_worker.runner import linear as packed
-from model_worker.runner.cpu_kernels import ops as cpu_ops
 from model_worker.runner.attention.base import AttentionBackend
+from model_worker.runner.attention.cpu_backend import CpuAttentionMetadata
+from model_worker.runner.cpu_kernels import ops as cpu_ops
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # The float32 islands of a decoder below float32 (LlamaDecoder says what each keeps in float32).
@@ -350,9 +351,12 @@ class LlamaDecoder:
         return self._residual_linear(self._silu_and_mul(gate_up), weights.down_proj, None, hidden, linear, linear_add)
 
     def _runs_small_layers(self, hidden: torch.Tensor, attn_metadata: Any) -> bool:
-        """A decode-only step of at most small_rows rows, the residual stream in the model dtype."""
+        """A decode-only step of at most small_rows rows, the residual stream in the model dtype,
+        prepared by the CPU attention backend (its decode rows and token slots are what the kernel
+        reads; the backend can be swapped after load, as tests swap it)."""
         return (self._small_layers is not None and hidden.shape[0] <= self.small_rows and hidden.dtype == self.dtype
-                and not attn_metadata.prefills and attn_metadata.decode.token_rows.shape[0] == hidden.shape[0])
+                and isinstance(attn_metadata, CpuAttentionMetadata) and not attn_metadata.prefills
+                and attn_metadata.decode.token_rows.shape[0] == hidden.shape[0])
 
     def _kernels(self, dtype: torch.dtype) -> bool:
         """Whether our CPU kernels take this dtype's elementwise work: with the CPU attention backend."""
