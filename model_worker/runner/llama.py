@@ -171,15 +171,22 @@ class PackedLayerWeights:
     post_attention_norm: torch.Tensor  # (hidden,)
     gate_up_proj: torch.Tensor  # packed (2 * intermediate, hidden): gate, then up
     down_proj: torch.Tensor  # packed (hidden, intermediate)
-    # The plain matrices as well, for steps of a few rows (our small-batch kernel), or None.
-    plain: LayerWeights | None = None
+    # The matrices packed in panels as well, for steps of up to small_rows rows (our panel
+    # kernel, cpu_kernels panel_linear), or None: a LayerWeights whose four matrices are panels.
+    panels: LayerWeights | None = None
 
     @classmethod
-    def pack(cls, layer: LayerWeights, keep_plain: bool = False) -> PackedLayerWeights:
+    def pack(cls, layer: LayerWeights, with_panels: bool = False) -> PackedLayerWeights:
+        panels = None
+        if with_panels:
+            panels = dataclasses.replace(layer, qkv_proj=cpu_ops.pack_panels(layer.qkv_proj),
+                                         o_proj=cpu_ops.pack_panels(layer.o_proj),
+                                         gate_up_proj=cpu_ops.pack_panels(layer.gate_up_proj),
+                                         down_proj=cpu_ops.pack_panels(layer.down_proj))
         return cls(input_norm=layer.input_norm, qkv_proj=packed.pack(layer.qkv_proj), qkv_bias=layer.qkv_bias,
                    o_proj=packed.pack(layer.o_proj), o_bias=layer.o_bias,
                    post_attention_norm=layer.post_attention_norm, gate_up_proj=packed.pack(layer.gate_up_proj),
-                   down_proj=packed.pack(layer.down_proj), plain=layer if keep_plain else None)
+                   down_proj=packed.pack(layer.down_proj), panels=panels)
 
 
 @dataclass(slots=True)
@@ -211,15 +218,16 @@ class LlamaDecoder:
 
     On CPU the matrices of every layer and the LM head are packed once for oneDNN
     (model_worker/runner/linear.py) where it runs the dtype, unless `pack_weights` is False; the
-    layers' plain copies are then dropped, the embedding table (the tied head) kept, unless
-    `small_batch_kernel`: then a step of at most `small_rows` rows (a decode step of a few
-    sequences) reads the plain matrices and the plain head through our small-batch kernel
-    (cpu_kernels `small_linear`, which streams a weight at about 90% of the memory's bandwidth where
-    oneDNN's packed matmul reaches about 60%), and larger steps the packed ones: the layers' weights
-    are then held twice (docs/benchmarks.md, 'Speed on the CPU against vLLM, fourth pass'). With the
-    CPU attention backend such a step, when every row decodes, runs each layer in one call of our
-    kernels (cpu_kernels `small_layer`, the calls of `_packed_layer`'s few-row path from C++, the
-    same bits). A packed layer adds its residuals as post-ops of the o and down matmuls; with the CPU attention backend it
+    layers' plain copies are then dropped, the embedding table (the tied head) kept. With
+    `small_batch_kernel` the matrices and the head are also packed in panels of 16 output features
+    for our own matmul (cpu_kernels `panel_linear`: AVX-512, and AMX tiles for bfloat16 where the CPU
+    has them), which reads a weight at 80-90% of the memory's bandwidth where oneDNN's packed matmul
+    reaches about 60%, and a step of at most `small_rows` rows (decode steps, the rows a machine's
+    A/B measured it faster for) goes through them; larger steps (prefills) through oneDNN's. The
+    weights are then held twice (docs/benchmarks.md, 'Speed on the CPU against vLLM, fifth pass').
+    With the CPU attention backend such a step, when every row decodes, runs each layer in one call
+    of our kernels (cpu_kernels `small_layer`, the calls of `_packed_layer`'s panel path from C++,
+    the same bits). A packed layer adds its residuals as post-ops of the o and down matmuls; with the CPU attention backend it
     also takes RMSNorm and SiLU-times-up from our kernels (model_worker/runner/cpu_kernels/) and
     hands the raw q/k/v projection to the backend, which rotates q and k (in float32, rounded once:
     the fp32_rotary island's numerics, at no cost), writes the cache and attends in one call
@@ -255,18 +263,21 @@ class LlamaDecoder:
         # differs from it below float32.
         self._fused_norm = dtype == torch.float32
         self.packed = pack_weights and packed.packs(device.type, dtype)
-        # Steps of at most this many rows read the plain weights through our kernel; 0: never.
-        self.small_rows = (cpu_ops.small_linear_max_rows(dtype)
-                           if self.packed and small_batch_kernel and cpu_ops.has_small_linear(dtype) else 0)
+        # Steps of at most this many rows read the panels through our kernel; 0: never.
+        self.small_rows = (cpu_ops.panel_max_rows(dtype)
+                           if self.packed and small_batch_kernel and cpu_ops.has_panel_linear(dtype)
+                           and all(cpu_ops.can_pack_panels(w) for layer in weights.layers
+                                   for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+                           else 0)
         self._head = self._make_head()  # now, so the memory profile sees it
         if self.packed:
             self.weights = dataclasses.replace(weights, layers=[PackedLayerWeights.pack(layer, self.small_rows > 0)
                                                                 for layer in weights.layers])
-        # With the CPU attention backend, a decode-only step of a few rows runs each layer in one
-        # call of our kernels (cpu_kernels small_layer: _packed_layer's few-row calls, from C++).
+        # With the CPU attention backend, a decode-only step of up to small_rows rows runs each layer
+        # in one call of our kernels (cpu_kernels small_layer: _packed_layer's panel calls, from C++).
         self._small_layers = ([cpu_ops.SmallLayer.of(p.input_norm, p.qkv_proj, p.qkv_bias, p.o_proj, p.o_bias,
                                                      p.post_attention_norm, p.gate_up_proj, p.down_proj)
-                               for p in (layer.plain for layer in self.weights.layers)]
+                               for p in (layer.panels for layer in self.weights.layers)]
                               if self.small_rows and self.attention.fuses_rotary else None)
 
     def set_islands(self, **flags: bool) -> None:
@@ -280,8 +291,9 @@ class LlamaDecoder:
 
     def _make_head(self) -> torch.Tensor:
         head = self.weights.lm_head.float() if self.fp32_logits else self.weights.lm_head
-        # The plain head for a few rows: the model's own tensor (the embedding table when tied).
-        self._small_head = head if self.small_rows and head.dtype == self.dtype and head.is_contiguous() else None
+        # The head in panels for steps of up to small_rows rows (a copy beside the embedding table).
+        self._small_head = (cpu_ops.pack_panels(head) if self.small_rows and head.dtype == self.dtype
+                            and cpu_ops.can_pack_panels(head) else None)
         if self.packed and packed.packs(head.device.type, head.dtype):
             return packed.pack(head)
         return head
@@ -317,8 +329,8 @@ class LlamaDecoder:
 
     def _head_linear(self, normed: torch.Tensor) -> torch.Tensor:
         small_head = self._small_head
-        if small_head is not None and normed.shape[0] <= cpu_ops.SMALL_HEAD_MAX_ROWS and normed.dtype == self.dtype:
-            return cpu_ops.small_linear(normed, small_head)
+        if small_head is not None and normed.shape[0] <= self.small_rows and normed.dtype == self.dtype:
+            return cpu_ops.panel_linear(normed, small_head)
         head = self._head
         return packed.linear(normed, head) if head.is_mkldnn else F.linear(normed, head)
 
@@ -330,12 +342,12 @@ class LlamaDecoder:
 
     def _packed_layer(self, layer: PackedLayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        """oneDNN's packed matmuls, or for a step of at most small_rows rows our small-batch kernel
-        over the plain weights (the residuals added inside it as oneDNN's post-ops add them)."""
+        """oneDNN's packed matmuls, or for a step of at most small_rows rows our panel kernel (the
+        residuals added inside it as oneDNN's post-ops add them)."""
         spec = self.spec
         num_tokens = hidden.shape[0]
-        if layer.plain is not None and num_tokens <= self.small_rows:
-            weights, linear, linear_add = layer.plain, cpu_ops.small_linear, cpu_ops.small_linear
+        if layer.panels is not None and num_tokens <= self.small_rows:
+            weights, linear, linear_add = layer.panels, cpu_ops.panel_linear, cpu_ops.panel_linear
         else:
             weights, linear, linear_add = layer, packed.linear, packed.linear_add
         qkv = linear(self._packed_norm(hidden, weights.input_norm), weights.qkv_proj, weights.qkv_bias)

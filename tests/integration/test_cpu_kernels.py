@@ -213,62 +213,83 @@ def test_a_build_lands_by_rename_and_is_reused(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("out_features, in_features", [(960, 576), (13, 100), (8, 31), (49152, 64)])
-def test_small_linear_matches_a_float64_matmul_with_bias_and_residual(dtype, rows, out_features, in_features):
-    """Out-feature counts that leave a partial block of eight rows and input widths that leave a
-    partial vector; the sum in float32, rounded once to the dtype."""
-    if not ops.has_small_linear(dtype):
-        pytest.skip("small_linear needs AVX-512 with BW")
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 40])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (16, 100), (80, 30), (49152, 64)])
+def test_panel_linear_matches_a_float64_matmul_with_bias_and_residual(dtype, rows, out_features, in_features):
+    """Row counts that leave a partial group of eight (and, on AMX, of sixteen) rows, feature counts
+    that leave a partial group of three panels, input widths that are not a multiple of AMX's 32
+    (the AVX-512 path then); the sum in float32, rounded once to the dtype."""
+    if not ops.has_panel_linear(dtype):
+        pytest.skip("panel_linear needs AVX-512 with BW")
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
     weight = (torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5).to(dtype)
     bias = torch.randn(out_features, generator=generator).to(dtype)
     residual = torch.randn(rows, out_features, generator=generator).to(dtype)
+    panels = ops.pack_panels(weight)
+    assert ops.panel_shape(panels) == (out_features, in_features)
     exact = x.double() @ weight.double().T
     for args, expected in (((), exact), ((bias,), exact + bias.double()),
                            ((None, residual), exact + residual.double()),
                            ((bias, residual), exact + bias.double() + residual.double())):
-        got = ops.small_linear(x, weight, *args)
+        got = ops.panel_linear(x, panels, *args)
         assert got.dtype == dtype and got.shape == (rows, out_features)
         # float32: the order of the sums; bfloat16: one rounding of the result (2^-8 relative).
         rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (8e-3, 1e-3)
         torch.testing.assert_close(got.double(), expected.to(dtype).double(), rtol=rtol, atol=atol)
 
 
-def test_small_linear_reads_x_rows_through_their_stride_and_refuses_bad_calls():
-    if not ops.has_small_linear(torch.float32):
-        pytest.skip("small_linear needs AVX-512 with BW")
+def test_pack_panels_lays_out_sixteen_features_a_panel():
+    weight = torch.arange(32 * 4, dtype=torch.float32).reshape(32, 4)
+    panels = ops.pack_panels(weight)
+    assert panels.shape == (2, 4, 16) and torch.equal(panels[1, 2], weight[16:, 2])
+    pairs = ops.pack_panels(weight.bfloat16())
+    assert pairs.shape == (2, 2, 16, 2) and torch.equal(pairs[1, 1, 3], weight[19, 2:4].bfloat16())
+    for bad in (torch.randn(20, 4), torch.randn(16, 3).bfloat16(), torch.randn(16, 4).half(), torch.randn(16)):
+        assert not ops.can_pack_panels(bad)
+        with pytest.raises(ValueError, match="panels cannot hold"):
+            ops.pack_panels(bad)
+
+
+def test_panel_linear_reads_x_rows_through_their_stride_and_refuses_bad_calls():
+    if not ops.has_panel_linear(torch.float32):
+        pytest.skip("panel_linear needs AVX-512 with BW")
     wide = torch.randn(3, 100)
     x = wide[:, :64]  # rows 100 apart
-    weight = torch.randn(20, 64)
-    torch.testing.assert_close(ops.small_linear(x, weight), x @ weight.T, atol=1e-5, rtol=1e-5)
+    weight = torch.randn(32, 64)
+    panels = ops.pack_panels(weight)
+    torch.testing.assert_close(ops.panel_linear(x, panels), x @ weight.T, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="arguments"):
-        ops.small_linear(torch.randn(9, 64), weight)  # more rows than the kernel takes
+        ops.panel_linear(torch.randn(0, 64), panels)  # no rows
     with pytest.raises(ValueError, match="arguments"):
-        ops.small_linear(torch.randn(2, 65), weight)  # widths differ
+        ops.panel_linear(torch.randn(2, 65), panels)  # widths differ
     with pytest.raises(ValueError, match="arguments"):
-        ops.small_linear(torch.randn(2, 64).bfloat16(), weight)  # dtypes differ
+        ops.panel_linear(torch.randn(2, 64).bfloat16(), panels)  # dtypes differ
     with pytest.raises(ValueError, match="arguments"):
-        ops.small_linear(torch.randn(2, 64), weight.T.contiguous().T)  # a weight that is not row-major
+        ops.panel_linear(torch.randn(2, 64), weight)  # a weight not packed in panels
+    with pytest.raises(ValueError, match="arguments"):
+        ops.panel_linear(torch.randn(2, 64), panels.transpose(0, 1))  # not contiguous
     with pytest.raises(ValueError, match="residual"):
-        ops.small_linear(torch.randn(2, 64), weight, None, torch.randn(3, 20))
+        ops.panel_linear(torch.randn(2, 64), panels, None, torch.randn(3, 32))
     with pytest.raises(ValueError, match="bias"):
-        ops.small_linear(torch.randn(2, 64), weight, torch.randn(21))
+        ops.panel_linear(torch.randn(2, 64), panels, torch.randn(33))
 
 
 def test_small_layers_refuses_what_would_read_out_of_bounds():
-    if not ops.has_small_linear(torch.float32):
-        pytest.skip("small_linear needs AVX-512 with BW")
+    if not ops.has_panel_linear(torch.float32):
+        pytest.skip("panel_linear needs AVX-512 with BW")
     hidden, intermediate, num_heads, num_kv_heads, head_dim = 32, 48, 4, 2, 8
     qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
     norm = torch.ones(hidden)
-    parts = dict(input_norm=norm, qkv=torch.randn(qkv_width, hidden), qkv_bias=None,
-                 o=torch.randn(hidden, num_heads * head_dim), o_bias=None, post_norm=norm,
-                 gate_up=torch.randn(2 * intermediate, hidden), down=torch.randn(hidden, intermediate))
+    panels = ops.pack_panels
+    parts = dict(input_norm=norm, qkv=panels(torch.randn(qkv_width, hidden)), qkv_bias=None,
+                 o=panels(torch.randn(hidden, num_heads * head_dim)), o_bias=None, post_norm=norm,
+                 gate_up=panels(torch.randn(2 * intermediate, hidden)), down=panels(torch.randn(hidden, intermediate)))
     layer = ops.SmallLayer.of(**parts)
     with pytest.raises(ValueError, match="shapes"):
-        ops.SmallLayer.of(**(parts | {"down": torch.randn(hidden, intermediate + 1)}))
+        ops.SmallLayer.of(**(parts | {"down": panels(torch.randn(hidden, intermediate + 2))}))
+    with pytest.raises(ValueError, match="panels"):
+        ops.SmallLayer.of(**(parts | {"down": torch.randn(hidden, intermediate)}))  # a plain matrix
     with pytest.raises(ValueError, match="plain"):
         ops.SmallLayer.of(**(parts | {"qkv": parts["qkv"].bfloat16()}))
     caches = [(torch.zeros(4, 16, num_kv_heads, head_dim), torch.zeros(4, 16, num_kv_heads, head_dim))]

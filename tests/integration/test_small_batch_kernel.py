@@ -1,6 +1,6 @@
-"""Decode steps of a few sequences through our small-batch kernel (EngineConfig.small_batch_kernel):
-the same greedy text as oneDNN's packed matmuls, on the trained model, and the kernel really run;
-a layer in one C++ call (cpu_kernels small_layer) gives the bits of its calls from Python."""
+"""Steps of up to small_rows rows through our panel kernel (EngineConfig.small_batch_kernel): the
+same greedy text as oneDNN's packed matmuls, on the trained model, and the kernel really run; a
+layer in one C++ call (cpu_kernels small_layer) gives the bits of its calls from Python."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from model_worker.runner import linear as packed
 from model_worker.runner.cpu_kernels import ops
 
 pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(not (ops.has_small_linear(torch.float32) and packed.packs("cpu", torch.float32)),
+              pytest.mark.skipif(not (ops.has_panel_linear(torch.float32) and packed.packs("cpu", torch.float32)),
                                  reason="needs our kernels with AVX-512 BW and oneDNN")]
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
@@ -32,29 +32,29 @@ def greedy(engine: LLMEngine, tokenizer, prompts: list[str], max_tokens: int = 2
 def test_few_row_steps_give_the_packed_matmuls_text_and_run_the_kernel(smollm2_dir, monkeypatch):
     off = LLMEngine(EngineConfig(model=smollm2_dir, dtype="float32", small_batch_kernel=False, num_kv_blocks=64))
     decoder = off.runner.model
-    assert decoder.small_rows == 0 and all(layer.plain is None for layer in decoder.weights.layers)
+    assert decoder.small_rows == 0 and all(layer.panels is None for layer in decoder.weights.layers)
     tokenizer = off.runner.tokenizer
     # Three at once (steps of 3 rows), and one alone (1 row).
     expected = greedy(off, tokenizer, PROMPTS) | {"alone": greedy(off, tokenizer, PROMPTS[:1])["0"]}
     del off, decoder
 
     calls = []
-    real = ops.small_linear
-    monkeypatch.setattr(ops, "small_linear", lambda x, *args: calls.append(x.shape[0]) or real(x, *args))
+    real = ops.panel_linear
+    monkeypatch.setattr(ops, "panel_linear", lambda x, *args: calls.append(x.shape[0]) or real(x, *args))
     on = LLMEngine(EngineConfig(model=smollm2_dir, dtype="float32", num_kv_blocks=64))
-    assert on.runner.model.small_rows == 3
+    assert on.runner.model.small_rows >= 3
     on.runner.model._small_layers = None  # every matmul a call from Python, so each is counted
-    assert all(layer.plain is not None for layer in on.runner.model.weights.layers)
+    assert all(layer.panels is not None for layer in on.runner.model.weights.layers)
     got = greedy(on, on.runner.tokenizer, PROMPTS) | {"alone": greedy(on, on.runner.tokenizer, PROMPTS[:1])["0"]}
     assert got == expected
-    assert set(calls) == {1, 3}  # 3 rows for the layers of the batch of three, 1 for the lone request
+    assert {1, 3} <= set(calls)  # 3 rows for the decodes of the batch of three, 1 for the lone request
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_layer_in_one_call_gives_the_bits_of_its_calls_from_python(smollm2_dir, monkeypatch, dtype):
     """Greedy tokens, and the logits of every step, of a lone request and of three at once."""
-    if not ops.has_small_linear(getattr(torch, dtype)):
-        pytest.skip(f"small_linear does not run {dtype} here")
+    if not ops.has_panel_linear(getattr(torch, dtype)):
+        pytest.skip(f"panel_linear does not run {dtype} here")
     engine = LLMEngine(EngineConfig(model=smollm2_dir, dtype=dtype, num_kv_blocks=64))
     decoder, runner = engine.runner.model, engine.runner
     fused = decoder._small_layers

@@ -10,11 +10,17 @@
 #include <cstring>
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+
 
 namespace {
 
@@ -549,127 +555,267 @@ void argmax_rows(const T* x, int64_t row_stride, int64_t rows, int64_t width, in
   });
 }
 
-// Linear layers for a few rows: out[m] = x[m] @ w^T (+ bias) (+ residual[m]) for rows <= 8, w
-// (out_features, in_features) row-major, summed in float32 and rounded once. A decode step of a few
-// sequences reads every weight once and does little else, so what counts is how close the read
-// comes to the memory's bandwidth: each thread streams a contiguous range of w's rows, eight at a
-// time, against up to three x rows held in registers, and prefetches the next eight rows while it
-// computes these (oneDNN's packed matmuls reach about 60% of a streaming read at these sizes, this
-// about 90%: docs/benchmarks.md). Where the CPU has AVX512_BF16, bfloat16 pairs go through dpbf16ps.
-// Returns false where this build has no such kernel (no AVX-512 BW): the caller keeps oneDNN.
+// Linear layers: out[m] = x[m] @ w^T (+ bias) (+ residual[m]), summed in float32 and rounded once,
+// for w packed once at load in panels of 16 output features (ops.py, pack_panels): float32
+// (out/16, in, 16), each panel row the 16 features' weights for one input; bfloat16 (out/16, in/2,
+// 16, 2), each panel row the 16 features' weights for two inputs side by side, the pairs that
+// dpbf16ps and AMX's tdpbf16ps multiply. A decode step reads every weight once and does little else,
+// so what counts is how close the read comes to the memory's bandwidth: a thread walks three panels
+// at once, front to back, against up to eight x rows broadcast an input at a time (8 x 3
+// accumulators, no sums across lanes), so every weight byte it reads serves every row, and a step
+// of 8 rows costs little more than one of 1. Where the CPU has AMX, bfloat16 goes through tiles
+// instead (below). oneDNN's packed matmuls read these weights at about 60% of a streaming read,
+// these at 80-90% (docs/benchmarks.md, 'Speed on the CPU against vLLM, fifth pass'). Returns false
+// where this build has no such kernel (no AVX-512 BW): the caller keeps oneDNN.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int kPanel = 16;
+constexpr int kPanelGroup = 3;
+constexpr int kPanelRows = 8;
+// Panel rows (64 bytes each) a thread prefetches ahead in each of the three panels it walks: the
+// hardware prefetcher alone left the float32 kernel a fifth slower at 8 rows (48 from an A/B of
+// 0 / 8 / 16 / 32 / 48 / 64 / 96 on an Intel AVX-512 machine: 23.2 / - / - / 20.1 / 20.0 / 20.5 /
+// 20.5 ms for SmolLM2's matrices at 8 rows).
+constexpr int64_t kPanelAhead = 48;
+
 template <typename T>
-struct DotTraits;
+struct PanelTraits;
 
 template <>
-struct DotTraits<float> {
-  static constexpr int64_t kStep = 16;
-  using Vec = __m512;
-  static Vec load(const float* p, int64_t left) {
-    return left >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << left) - 1u), p);
-  }
-  static __m512 madd(__m512 acc, Vec w, Vec x) { return _mm512_fmadd_ps(w, x, acc); }
+struct PanelTraits<float> {
+  static constexpr int64_t kStep = 1;  // inputs per panel row
+  struct W { __m512 v; };
+  static W load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static __m512 madd(__m512 acc, W w, const float* x) { return _mm512_fmadd_ps(w.v, _mm512_set1_ps(*x), acc); }
 };
 
 #if defined(__AVX512BF16__)
 template <>
-struct DotTraits<bf16> {
-  static constexpr int64_t kStep = 32;
-  using Vec = __m512i;
-  static Vec load(const bf16* p, int64_t left) {
-    return left >= 32 ? _mm512_loadu_si512(p)
-                      : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << left) - 1ull), p);
+struct PanelTraits<bf16> {
+  static constexpr int64_t kStep = 2;
+  struct W { __m512i v; };
+  static W load(const bf16* p) { return {_mm512_loadu_si512(p)}; }
+  static __m512 madd(__m512 acc, W w, const bf16* x) {
+    int32_t pair;
+    std::memcpy(&pair, x, sizeof(pair));
+    return _mm512_dpbf16_ps(acc, (__m512bh)w.v, (__m512bh)_mm512_set1_epi32(pair));
   }
-  static __m512 madd(__m512 acc, Vec w, Vec x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
 };
 #else
 template <>
-struct DotTraits<bf16> {
-  static constexpr int64_t kStep = 16;
-  using Vec = __m512;
-  static Vec load(const bf16* p, int64_t left) {
-    const __m256i bits = left >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                    : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << left) - 1u), p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+struct PanelTraits<bf16> {
+  static constexpr int64_t kStep = 2;
+  struct W { __m512 even, odd; };
+  static W load(const bf16* p) {
+    const __m512i v = _mm512_loadu_si512(p);
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))))};
   }
-  static __m512 madd(__m512 acc, Vec w, Vec x) { return _mm512_fmadd_ps(w, x, acc); }
+  static __m512 madd(__m512 acc, W w, const bf16* x) {
+    return _mm512_fmadd_ps(w.odd, _mm512_set1_ps(to_float(x[1])),
+                           _mm512_fmadd_ps(w.even, _mm512_set1_ps(to_float(x[0])), acc));
+  }
 };
 #endif
 
-constexpr int kLinearBlock = 8;    // rows of w a thread computes at a time
-constexpr int kLinearGroup = 3;    // rows of x against them in one pass (3 x 8 accumulators)
-constexpr int64_t kLinearMaxRows = 8;
-
-// sums[m][r] = x[m] . w[r] for m < G, r < n (rows r >= n read row n - 1 and are ignored).
-template <typename T, int G>
-void dot_block(const T* x, int64_t x_row_stride, const T* w, int64_t in, int n, float (*sums)[kLinearBlock]) {
-  using Traits = DotTraits<T>;
-  __m512 acc[G][kLinearBlock];
-  for (int m = 0; m < G; ++m)
-    for (int r = 0; r < kLinearBlock; ++r) acc[m][r] = _mm512_setzero_ps();
-  const T* rows[kLinearBlock];
-  for (int r = 0; r < kLinearBlock; ++r) rows[r] = w + std::min(r, n - 1) * in;
+// tile[m][16 p + j] = x[m] . feature j of panel p, for m < M, p < P.
+template <typename T, int M, int P>
+void panel_block(const T* x, int64_t x_row_stride, const T* panel, int64_t panel_elements, int64_t in,
+                 float (*tile)[kPanelGroup * kPanel]) {
+  using Traits = PanelTraits<T>;
+  __m512 acc[M][P];
+  for (int m = 0; m < M; ++m)
+    for (int p = 0; p < P; ++p) acc[m][p] = _mm512_setzero_ps();
   for (int64_t k = 0; k < in; k += Traits::kStep) {
-    const int64_t left = in - k;
-    typename Traits::Vec xv[G];
-    for (int m = 0; m < G; ++m) xv[m] = Traits::load(x + m * x_row_stride + k, left);
-    for (int r = 0; r < kLinearBlock; ++r) {
-      const typename Traits::Vec wv = Traits::load(rows[r] + k, left);
-      for (int m = 0; m < G; ++m) acc[m][r] = Traits::madd(acc[m][r], wv, xv[m]);
+    typename Traits::W w[P];
+    for (int p = 0; p < P; ++p) {
+      w[p] = Traits::load(panel + p * panel_elements + k * kPanel);
+      _mm_prefetch(reinterpret_cast<const char*>(panel + p * panel_elements + (k + kPanelAhead * Traits::kStep) * kPanel),
+                   _MM_HINT_T0);
     }
+    for (int m = 0; m < M; ++m)
+      for (int p = 0; p < P; ++p) acc[m][p] = Traits::madd(acc[m][p], w[p], x + m * x_row_stride + k);
   }
-  for (int m = 0; m < G; ++m)
-    for (int r = 0; r < n; ++r) sums[m][r] = _mm512_reduce_add_ps(acc[m][r]);
+  for (int m = 0; m < M; ++m)
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(tile[m] + p * kPanel, acc[m][p]);
 }
 
+template <typename T, int P>
+void panel_block_rows(int rows, const T* x, int64_t x_row_stride, const T* panel, int64_t panel_elements, int64_t in,
+                      float (*tile)[kPanelGroup * kPanel]) {
+  switch (rows) {
+    case 1: return panel_block<T, 1, P>(x, x_row_stride, panel, panel_elements, in, tile);
+    case 2: return panel_block<T, 2, P>(x, x_row_stride, panel, panel_elements, in, tile);
+    case 3: return panel_block<T, 3, P>(x, x_row_stride, panel, panel_elements, in, tile);
+    case 4: return panel_block<T, 4, P>(x, x_row_stride, panel, panel_elements, in, tile);
+    case 5: return panel_block<T, 5, P>(x, x_row_stride, panel, panel_elements, in, tile);
+    case 6: return panel_block<T, 6, P>(x, x_row_stride, panel, panel_elements, in, tile);
+    case 7: return panel_block<T, 7, P>(x, x_row_stride, panel, panel_elements, in, tile);
+    default: return panel_block<T, 8, P>(x, x_row_stride, panel, panel_elements, in, tile);
+  }
+}
+
+// out rows [m, m + rows) and features [o, o + width) from tile (float32 sums, row stride
+// kPanelGroup * kPanel), plus bias and residual, rounded once.
 template <typename T>
-bool small_linear(const T* x, int64_t x_row_stride, int64_t rows, const T* w, int64_t in, int64_t out_features,
-                  const T* bias, const T* residual, int64_t residual_row_stride, T* out, int64_t out_row_stride) {
-  if (rows < 1 || rows > kLinearMaxRows) return false;
-  const int64_t blocks = (out_features + kLinearBlock - 1) / kLinearBlock;
-  const int64_t block_bytes = kLinearBlock * in * static_cast<int64_t>(sizeof(T));
-  for_each_index(blocks, blocks > 1, [&](int64_t b) {
-    const int64_t o = b * kLinearBlock;
-    const int n = static_cast<int>(std::min<int64_t>(kLinearBlock, out_features - o));
-    if (o + kLinearBlock < out_features) {
-      const char* next = reinterpret_cast<const char*>(w + (o + kLinearBlock) * in);
-      const int64_t next_bytes = std::min<int64_t>(block_bytes, (out_features - o - kLinearBlock) * in * sizeof(T));
-      for (int64_t byte = 0; byte < next_bytes; byte += 64) _mm_prefetch(next + byte, _MM_HINT_T0);
+void panel_store(const float* tile, int rows, int64_t m, int64_t o, int width, const T* bias, const T* residual,
+                 int64_t residual_row_stride, T* out, int64_t out_row_stride) {
+  for (int i = 0; i < rows; ++i) {
+    T* orow = out + (m + i) * out_row_stride + o;
+    const T* rrow = residual ? residual + (m + i) * residual_row_stride + o : nullptr;
+    for (int c = 0; c < width; c += kPanel) {
+      __m512 v = _mm512_loadu_ps(tile + i * kPanelGroup * kPanel + c);
+      if (bias) v = _mm512_add_ps(v, load16(bias + o + c));
+      if (rrow) v = _mm512_add_ps(v, load16(rrow + c));
+      store16(orow + c, v);
     }
-    float sums[kLinearGroup][kLinearBlock];
-    for (int64_t m = 0; m < rows; m += kLinearGroup) {
-      const int g = static_cast<int>(std::min<int64_t>(kLinearGroup, rows - m));
-      const T* xm = x + m * x_row_stride;
-      if (g == 3) dot_block<T, 3>(xm, x_row_stride, w + o * in, in, n, sums);
-      else if (g == 2) dot_block<T, 2>(xm, x_row_stride, w + o * in, in, n, sums);
-      else dot_block<T, 1>(xm, x_row_stride, w + o * in, in, n, sums);
-      for (int i = 0; i < g; ++i) {
-        T* orow = out + (m + i) * out_row_stride + o;
-        const T* rrow = residual ? residual + (m + i) * residual_row_stride + o : nullptr;
-        for (int r = 0; r < n; ++r) {
-          float v = sums[i][r];
-          if (bias) v += to_float(bias[o + r]);
-          if (rrow) v += to_float(rrow[r]);
-          orow[r] = from_float<T>(v);
+  }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// bfloat16 panels through AMX where the CPU has it: the panel layout is the layout of tdpbf16ps's
+// second operand (16 rows of 16 pairs, 1 KB per 32 inputs), so a tile loads straight from a panel.
+// Tiles 0-2 hold the sums of three panels for up to 16 x rows, tile 3 those rows' next 32 inputs,
+// tiles 4-6 the three panels' next 32 inputs. The dot products are summed in float32 as dpbf16ps
+// sums them, in another order.
+constexpr int64_t kAmxRows = 16;
+constexpr int64_t kAmxInputs = 32;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether this process may use AMX tiles (Linux grants it on request, once per process).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+void amx_configure(int rows) {
+  TileConfig config;
+  for (int t = 0; t < 4; ++t) {
+    config.rows[t] = static_cast<uint8_t>(rows);
+    config.colsb[t] = 64;
+  }
+  for (int t = 4; t < 7; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+template <int P>
+void amx_panel_block(const bf16* x, int64_t x_row_stride, const bf16* panel, int64_t panel_elements, int64_t in,
+                     float* tile) {
+  _tile_zero(0);
+  if (P > 1) _tile_zero(1);
+  if (P > 2) _tile_zero(2);
+  const int64_t x_stride_bytes = x_row_stride * static_cast<int64_t>(sizeof(bf16));
+  for (int64_t k = 0; k < in; k += kAmxInputs) {
+    _tile_loadd(3, x + k, x_stride_bytes);
+    _tile_loadd(4, panel + k * kPanel, 64);
+    _tile_dpbf16ps(0, 3, 4);
+    if (P > 1) {
+      _tile_loadd(5, panel + panel_elements + k * kPanel, 64);
+      _tile_dpbf16ps(1, 3, 5);
+    }
+    if (P > 2) {
+      _tile_loadd(6, panel + 2 * panel_elements + k * kPanel, 64);
+      _tile_dpbf16ps(2, 3, 6);
+    }
+  }
+  constexpr int64_t kTileStride = kPanelGroup * kPanel * sizeof(float);
+  _tile_stored(0, tile, kTileStride);
+  if (P > 1) _tile_stored(1, tile + kPanel, kTileStride);
+  if (P > 2) _tile_stored(2, tile + 2 * kPanel, kTileStride);
+}
+
+bool amx_panel_linear(const bf16* x, int64_t x_row_stride, int64_t rows, const bf16* panels, int64_t in,
+                      int64_t out_features, const bf16* bias, const bf16* residual, int64_t residual_row_stride,
+                      bf16* out, int64_t out_row_stride) {
+  if (in % kAmxInputs != 0 || !amx_permitted()) return false;
+  const int64_t num_panels = out_features / kPanel, panel_elements = in * kPanel;
+  const int64_t groups = (num_panels + kPanelGroup - 1) / kPanelGroup;
+#pragma omp parallel if (groups > 1)
+  {
+    int configured = 0;
+    alignas(64) float tile[kAmxRows * kPanelGroup * kPanel];
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t first = g * kPanelGroup;
+      const int n = static_cast<int>(std::min<int64_t>(kPanelGroup, num_panels - first));
+      const bf16* panel = panels + first * panel_elements;
+      for (int64_t m = 0; m < rows; m += kAmxRows) {
+        const int rows_here = static_cast<int>(std::min<int64_t>(kAmxRows, rows - m));
+        if (rows_here != configured) {
+          amx_configure(rows_here);
+          configured = rows_here;
         }
+        const bf16* xm = x + m * x_row_stride;
+        if (n == 3) amx_panel_block<3>(xm, x_row_stride, panel, panel_elements, in, tile);
+        else if (n == 2) amx_panel_block<2>(xm, x_row_stride, panel, panel_elements, in, tile);
+        else amx_panel_block<1>(xm, x_row_stride, panel, panel_elements, in, tile);
+        panel_store(tile, rows_here, m, first * kPanel, n * kPanel, bias, residual, residual_row_stride, out,
+                    out_row_stride);
       }
+    }
+    if (configured) _tile_release();
+  }
+  return true;
+}
+#endif
+
+template <typename T>
+bool panel_linear(const T* x, int64_t x_row_stride, int64_t rows, const T* panels, int64_t in, int64_t out_features,
+                  const T* bias, const T* residual, int64_t residual_row_stride, T* out, int64_t out_row_stride) {
+  if (rows < 1 || out_features % kPanel != 0 || in % PanelTraits<T>::kStep != 0) return false;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (amx_panel_linear(x, x_row_stride, rows, panels, in, out_features, bias, residual, residual_row_stride, out,
+                         out_row_stride))
+      return true;
+  }
+#endif
+  const int64_t num_panels = out_features / kPanel, panel_elements = in * kPanel;
+  const int64_t groups = (num_panels + kPanelGroup - 1) / kPanelGroup;
+  for_each_index(groups, groups > 1, [&](int64_t g) {
+    const int64_t first = g * kPanelGroup;
+    const int n = static_cast<int>(std::min<int64_t>(kPanelGroup, num_panels - first));
+    const T* panel = panels + first * panel_elements;
+    float tile[kPanelRows * kPanelGroup * kPanel];
+    auto* rows_of_tile = reinterpret_cast<float (*)[kPanelGroup * kPanel]>(tile);
+    for (int64_t m = 0; m < rows; m += kPanelRows) {
+      const int rows_here = static_cast<int>(std::min<int64_t>(kPanelRows, rows - m));
+      const T* xm = x + m * x_row_stride;
+      if (n == 3) panel_block_rows<T, 3>(rows_here, xm, x_row_stride, panel, panel_elements, in, rows_of_tile);
+      else if (n == 2) panel_block_rows<T, 2>(rows_here, xm, x_row_stride, panel, panel_elements, in, rows_of_tile);
+      else panel_block_rows<T, 1>(rows_here, xm, x_row_stride, panel, panel_elements, in, rows_of_tile);
+      panel_store(tile, rows_here, m, first * kPanel, n * kPanel, bias, residual, residual_row_stride, out,
+                  out_row_stride);
     }
   });
   return true;
 }
 #else
 template <typename T>
-bool small_linear(const T*, int64_t, int64_t, const T*, int64_t, int64_t, const T*, const T*, int64_t, T*, int64_t) {
+bool panel_linear(const T*, int64_t, int64_t, const T*, int64_t, int64_t, const T*, const T*, int64_t, T*, int64_t) {
   return false;
 }
 #endif
 
-// One decoder layer of a decode-only step of a few rows (llama.py, LlamaDecoder._packed_layer's few-row path, the
+// One decoder layer of a decode-only step (llama.py, LlamaDecoder._packed_layer's panel path, the
 // same calls in the same order, so the same bits): RMSNorm, the q/k/v matmul, rotary embedding and
 // the cache write, decode attention, the o matmul and its residual, RMSNorm, gate/up, SiLU-times-up,
 // the down matmul and its residual. One call a layer instead of nine from Python. Tensors as in
 // each function above; `scratch` holds rows * (hidden + qkv_width + q_width + hidden + 2 *
-// intermediate + intermediate) elements. False where small_linear is not built.
+// intermediate + intermediate) elements; the matrices packed in panels. False where panel_linear is not
+// built.
 template <typename T>
 struct LayerWeightsPtrs {
   const T* input_norm;
@@ -696,7 +842,7 @@ bool small_layer(const T* hidden, T* out, int64_t rows, int64_t hidden_size, int
   T* gate_up = mid + rows * hidden_size;
   T* act = gate_up + rows * 2 * intermediate;
   rms_norm(hidden, hidden_size, w.input_norm, normed, rows, hidden_size, eps);
-  if (!small_linear(normed, hidden_size, rows, w.qkv, hidden_size, qkv_width, w.qkv_bias,
+  if (!panel_linear(normed, hidden_size, rows, w.qkv, hidden_size, qkv_width, w.qkv_bias,
                     static_cast<const T*>(nullptr), 0, qkv, qkv_width))
     return false;
   rotary_and_cache(qkv, qkv_width, positions, cos, sin, slots, k_cache, v_cache, rows, num_heads, num_kv_heads,
@@ -704,13 +850,13 @@ bool small_layer(const T* hidden, T* out, int64_t rows, int64_t hidden_size, int
   decode_attention(static_cast<const T*>(qkv), qkv_width, static_cast<const T*>(k_cache),
                    static_cast<const T*>(v_cache), token_rows, block_tables, block_table_stride, context_lens, attn,
                    q_width, rows, num_heads, num_kv_heads, head_dim, block_size, scale, split_len);
-  small_linear(static_cast<const T*>(attn), q_width, rows, w.o, q_width, hidden_size, w.o_bias, hidden, hidden_size,
+  panel_linear(static_cast<const T*>(attn), q_width, rows, w.o, q_width, hidden_size, w.o_bias, hidden, hidden_size,
                mid, hidden_size);
   rms_norm(static_cast<const T*>(mid), hidden_size, w.post_norm, normed, rows, hidden_size, eps);
-  small_linear(static_cast<const T*>(normed), hidden_size, rows, w.gate_up, hidden_size, 2 * intermediate,
+  panel_linear(static_cast<const T*>(normed), hidden_size, rows, w.gate_up, hidden_size, 2 * intermediate,
                static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), 0, gate_up, 2 * intermediate);
   silu_and_mul(static_cast<const T*>(gate_up), 2 * intermediate, act, rows, intermediate);
-  small_linear(static_cast<const T*>(act), intermediate, rows, w.down, intermediate, hidden_size,
+  panel_linear(static_cast<const T*>(act), intermediate, rows, w.down, intermediate, hidden_size,
                static_cast<const T*>(nullptr), static_cast<const T*>(mid), hidden_size, out, hidden_size);
   return true;
 }
@@ -754,10 +900,10 @@ void decode_attention_bf16(const bf16* q, int64_t q_token_stride, const bf16* k_
   void silu_and_mul_##SUFFIX(const T* x, int64_t x_row_stride, T* out, int64_t rows, int64_t width) {               \
     silu_and_mul(x, x_row_stride, out, rows, width);                                                                \
   }                                                                                                                 \
-  int small_linear_##SUFFIX(const T* x, int64_t x_row_stride, int64_t rows, const T* w, int64_t in,                 \
+  int panel_linear_##SUFFIX(const T* x, int64_t x_row_stride, int64_t rows, const T* panels, int64_t in,            \
                             int64_t out_features, const T* bias, const T* residual, int64_t residual_row_stride,    \
                             T* out, int64_t out_row_stride) {                                                       \
-    return small_linear(x, x_row_stride, rows, w, in, out_features, bias, residual, residual_row_stride, out,       \
+    return panel_linear(x, x_row_stride, rows, panels, in, out_features, bias, residual, residual_row_stride, out,   \
                         out_row_stride);                                                                            \
   }                                                                                                                 \
   int small_layer_##SUFFIX(const T* hidden, T* out, int64_t rows, int64_t hidden_size, int64_t intermediate,        \
@@ -772,6 +918,15 @@ void decode_attention_bf16(const bf16* q, int64_t q_token_stride, const bf16* k_
                        v_cache, num_heads, num_kv_heads, head_dim, token_rows, block_tables, block_table_stride,    \
                        context_lens, block_size, scale, split_len, scratch);                                        \
   }
+
+// Whether bfloat16 panels go through AMX tiles: built for them and permitted by the OS.
+int panel_amx() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
 
 ITERSERVE_EXPORT(f32, float)
 ITERSERVE_EXPORT(bf16, bf16)

@@ -26,16 +26,16 @@ _I = ctypes.c_int64
 _F = ctypes.c_float
 # Positions of one part of a decode row's context (kernels.cpp, decode_attention).
 SPLIT_LEN = 256
-# The most rows `small_linear` takes (kernels.cpp, kLinearMaxRows).
-SMALL_LINEAR_MAX_ROWS = 8
-# Up to how many rows a decode step through it (each layer one `small_layer` call) beats the same
-# step through oneDNN's packed matmuls: SmolLM2's whole decode step on 2 cores of an Intel
-# AVX-512/AMX machine (docs/benchmarks.md, 'Speed on the CPU against vLLM, fourth pass'), bfloat16
-# 15.8 / 17.6 / 18.8 / 20.3 ms at 3 / 4 / 5 / 6 rows against oneDNN's 18.9 / 18.9 / 19.3 / 19.0;
-# float32 26.8 / 30.1 / 32.4 at 3 / 4 / 5 against 31.2 / 30.7 / 31.9. A 49152-row LM head, which
-# oneDNN reads well: 2.25 against 2.5 ms at one row, 2.5 against 2.5 at two.
-_FASTER_UP_TO = {torch.bfloat16: 4, torch.float32: 3}
-SMALL_HEAD_MAX_ROWS = 1
+# Output features per panel of a packed weight (kernels.cpp, panel_linear).
+PANEL = 16
+# Up to how many rows a step through the panel kernel (a decode-only step: each layer one
+# `small_layer` call) beats the same step through oneDNN's packed matmuls, by dtype and whether
+# bfloat16 runs on AMX tiles: SmolLM2's whole step on 2 cores of an Intel AVX-512/AMX machine
+# (docs/benchmarks.md, 'Speed on the CPU against vLLM, fifth pass'). Without AMX, bfloat16 goes
+# through dpbf16ps, which this CPU issues about once in two cycles: past 4 rows oneDNN's AMX was
+# the faster (a CPU with AVX512_BF16 and no AMX has no AMX for oneDNN either; 4 is the measured
+# lower bound).
+_FASTER_UP_TO = {(torch.bfloat16, True): 128, (torch.bfloat16, False): 4, (torch.float32, False): 128}
 
 
 @functools.cache
@@ -51,14 +51,16 @@ def kernels() -> ctypes.CDLL | None:
                   "rotary_and_cache": [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
                   "argmax_rows": [_P, _I, _I, _I, _P],
                   "silu_and_mul": [_P, _I, _P, _I, _I],
-                  "small_linear": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I],
+                  "panel_linear": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I],
                   "small_layer": [_P, _P, _I, _I, _I, _F, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P,
                                   _I, _F, _I, _P]}
     for name, argtypes in signatures.items():
         for suffix in _SUFFIX.values():
             function = getattr(library, f"{name}_{suffix}")
-            function.restype = ctypes.c_int if name in ("small_linear", "small_layer") else None
+            function.restype = ctypes.c_int if name in ("panel_linear", "small_layer") else None
             function.argtypes = argtypes
+    library.panel_amx.restype = ctypes.c_int
+    library.panel_amx.argtypes = []
     return library
 
 
@@ -172,58 +174,106 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def has_small_linear(dtype: torch.dtype) -> bool:
-    """Whether this machine's build has `small_linear` (it needs AVX-512 with BW)."""
+def has_panel_linear(dtype: torch.dtype) -> bool:
+    """Whether this machine's build has `panel_linear` (it needs AVX-512 with BW)."""
     library = kernels()
     if library is None or dtype not in _SUFFIX:
         return False
-    x, w = torch.zeros(1, 16, dtype=dtype), torch.zeros(16, 16, dtype=dtype)
-    out = torch.empty(1, 16, dtype=dtype)
-    return bool(getattr(library, f"small_linear_{_SUFFIX[dtype]}")(x.data_ptr(), 16, 1, w.data_ptr(), 16, 16, None,
-                                                                    None, 0, out.data_ptr(), 16))
+    x, panels = torch.zeros(1, 2, dtype=dtype), pack_panels(torch.zeros(PANEL, 2, dtype=dtype))
+    out = torch.empty(1, PANEL, dtype=dtype)
+    return bool(getattr(library, f"panel_linear_{_SUFFIX[dtype]}")(x.data_ptr(), 2, 1, panels.data_ptr(), 2, PANEL,
+                                                                    None, None, 0, out.data_ptr(), PANEL))
 
 
-def small_linear_max_rows(dtype: torch.dtype) -> int:
-    """Up to how many rows `small_linear` is the faster matmul for this dtype."""
-    return _FASTER_UP_TO.get(dtype, 0)
+@functools.cache
+def panel_amx() -> bool:
+    """Whether bfloat16 panels go through AMX tiles here (built for them, and the OS lets this process use them)."""
+    library = kernels()
+    return library is not None and bool(library.panel_amx())
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def panel_max_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows `panel_linear` is the faster matmul for this dtype on this machine."""
+    return _FASTER_UP_TO.get((dtype, dtype == torch.bfloat16 and panel_amx()), 0)
+
+
+def _pair(dtype: torch.dtype) -> int:
+    """Inputs side by side in a panel row: two in bfloat16 (the pairs dpbf16ps multiplies), else one."""
+    return 2 if dtype == torch.bfloat16 else 1
+
+
+def can_pack_panels(weight: torch.Tensor) -> bool:
+    """Whether `pack_panels` takes this weight: a CPU matrix of a kernel dtype, its out_features a
+    multiple of PANEL and, in bfloat16, its in_features even."""
+    return (weight.dim() == 2 and weight.dtype in _SUFFIX and weight.device.type == "cpu"
+            and weight.shape[0] % PANEL == 0 and weight.shape[0] > 0 and weight.shape[1] > 0
+            and weight.shape[1] % _pair(weight.dtype) == 0)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight (out_features, in_features) laid out in panels of PANEL output features for
+    `panel_linear` (kernels.cpp): float32 (out / 16, in, 16), bfloat16 (out / 16, in / 2, 16, 2). A
+    new tensor: the weight itself is not kept."""
+    _check(can_pack_panels(weight), "a weight panels cannot hold (out_features a multiple of 16, in_features even "
+                                    "in bfloat16)")
+    out_features, in_features = weight.shape
+    pair = _pair(weight.dtype)
+    grouped = weight.reshape(out_features // PANEL, PANEL, in_features // pair, pair)
+    panels = grouped.permute(0, 2, 1, 3).contiguous()
+    return panels if pair == 2 else panels.reshape(out_features // PANEL, in_features, PANEL)
+
+
+def panel_shape(panels: torch.Tensor) -> tuple[int, int]:
+    """(out_features, in_features) of a weight from `pack_panels`; ValueError for a tensor that is not one."""
+    _check(is_panels(panels), "not a weight packed in panels")
+    return panels.shape[0] * PANEL, panels.shape[1] * _pair(panels.dtype)
+
+
+def is_panels(t: torch.Tensor) -> bool:
+    if t.dtype not in _SUFFIX or t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous():
+        return False
+    pair = _pair(t.dtype)
+    return t.dim() == 4 and t.shape[2:] == (PANEL, 2) if pair == 2 else t.dim() == 3 and t.shape[2] == PANEL
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias) (+ residual) for x (rows, in_features) with 1 <= rows <=
-    SMALL_LINEAR_MAX_ROWS, weight (out_features, in_features) plain and contiguous, bias
-    (out_features,), residual (rows, out_features): summed in float32, rounded once to x's dtype.
-    Only where `has_small_linear(x.dtype)`. A decode step makes over a hundred of these calls, so
-    the checks are few and cheap: shapes, strides, dtypes and the device."""
+    """x @ weight^T (+ bias) (+ residual) for x (rows, in_features), rows >= 1, and the weight
+    (out_features, in_features) from `pack_panels`, bias (out_features,), residual (rows,
+    out_features): summed in float32, rounded once to x's dtype. Only where
+    `has_panel_linear(x.dtype)`. A decode step makes over a hundred of these calls, so the checks
+    are few and cheap: shapes, strides, dtypes and the device."""
     rows, in_features = x.shape
-    out_features = weight.shape[0]
     dtype = x.dtype
-    _check(dtype in _SUFFIX and weight.dtype == dtype and x.is_cpu and weight.is_cpu
-           and 1 <= rows <= SMALL_LINEAR_MAX_ROWS and x.stride(1) == 1 and weight.is_contiguous()
-           and weight.shape[1] == in_features, "bad small_linear arguments")
+    pair = _pair(dtype)
+    _check(dtype in _SUFFIX and panels.dtype == dtype and x.is_cpu and panels.is_cpu and rows >= 1
+           and x.stride(1) == 1 and panels.is_contiguous() and panels.dim() == 2 + pair
+           and panels.shape[2] == PANEL and panels.shape[1] * pair == in_features, "bad panel_linear arguments")
+    out_features = panels.shape[0] * PANEL
     if bias is not None:
         _check(bias.dtype == dtype and bias.shape == (out_features,) and bias.is_contiguous(), "bad bias")
     if residual is not None:
         _check(residual.dtype == dtype and residual.shape == (rows, out_features) and residual.stride(1) == 1,
                "bad residual")
     out = torch.empty((rows, out_features), dtype=dtype)
-    done = _small_linear_function(dtype)(
-        x.data_ptr(), x.stride(0), rows, weight.data_ptr(), in_features, out_features,
+    done = _panel_linear_function(dtype)(
+        x.data_ptr(), x.stride(0), rows, panels.data_ptr(), in_features, out_features,
         None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
         0 if residual is None else residual.stride(0), out.data_ptr(), out_features)
-    _check(bool(done), "small_linear is not built for this CPU")
+    _check(bool(done), "panel_linear is not built for this CPU")
     return out
 
 
 @functools.cache
-def _small_linear_function(dtype: torch.dtype) -> ctypes._CFuncPtr:
-    return getattr(_library(), f"small_linear_{_SUFFIX[dtype]}")
+def _panel_linear_function(dtype: torch.dtype) -> ctypes._CFuncPtr:
+    return getattr(_library(), f"panel_linear_{_SUFFIX[dtype]}")
 
 
 @dataclass(frozen=True, slots=True)
 class SmallLayer:
-    """One decoder layer's plain tensors for `small_layers`, checked once at load: the pointers the
-    kernel reads (input norm, q/k/v, its bias, o, its bias, post-attention norm, gate/up, down)."""
+    """One decoder layer's tensors for `small_layers`, checked once at load: the pointers the kernel
+    reads (input norm, q/k/v, its bias, o, its bias, post-attention norm, gate/up, down), the four
+    matrices packed in panels (`pack_panels`)."""
 
     pointers: ctypes.Array
     tensors: tuple[torch.Tensor | None, ...]  # kept alive with the pointers
@@ -237,34 +287,34 @@ class SmallLayer:
     def of(cls, input_norm: torch.Tensor, qkv: torch.Tensor, qkv_bias: torch.Tensor | None, o: torch.Tensor,
            o_bias: torch.Tensor | None, post_norm: torch.Tensor, gate_up: torch.Tensor,
            down: torch.Tensor) -> "SmallLayer":
-        """Raises ValueError for shapes that do not make a layer, or tensors not plain and contiguous."""
-        hidden, q_width = o.shape
-        intermediate = down.shape[1]
+        """Raises ValueError for shapes that do not make a layer, matrices not in panels, or tensors
+        not plain and contiguous."""
         tensors = (input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down)
         dtype = qkv.dtype
         _check(all(t is None or (t.dtype == dtype and t.is_cpu and t.layout == torch.strided and t.is_contiguous())
                    for t in tensors) and dtype in _SUFFIX, "a layer tensor is not plain, contiguous and alike")
-        _check(input_norm.shape == post_norm.shape == (hidden,) and qkv.shape[1] == hidden
-               and gate_up.shape == (2 * intermediate, hidden) and down.shape == (hidden, intermediate)
-               and (qkv_bias is None or qkv_bias.shape == (qkv.shape[0],))
+        (qkv_width, qkv_in), (hidden, q_width), (gate_up_width, gate_up_in), (down_width, intermediate) = (
+            panel_shape(w) for w in (qkv, o, gate_up, down))
+        _check(input_norm.shape == post_norm.shape == (hidden,) and qkv_in == hidden
+               and (gate_up_width, gate_up_in) == (2 * intermediate, hidden) and down_width == hidden
+               and (qkv_bias is None or qkv_bias.shape == (qkv_width,))
                and (o_bias is None or o_bias.shape == (hidden,)), "layer shapes do not match")
         pointers = (ctypes.c_void_p * 8)(*[None if t is None else t.data_ptr() for t in tensors])
-        return cls(pointers, tensors, dtype, hidden, intermediate, qkv.shape[0], q_width)
+        return cls(pointers, tensors, dtype, hidden, intermediate, qkv_width, q_width)
 
 
 def small_layers(hidden: torch.Tensor, layers: list[SmallLayer], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  tokens: TokenSlots, rows: DecodeRows, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                  eps: float, scale: float) -> torch.Tensor:
-    """Every layer over hidden (rows, hidden_size) for a decode-only step of at most
-    SMALL_LINEAR_MAX_ROWS rows, token t being decode row t (kernels.cpp, small_layer: what
-    LlamaDecoder._packed_layer computes for a few rows, call for call). Returns the last layer's
-    output."""
+    """Every layer over hidden (rows, hidden_size) for a decode-only step, token t being decode row
+    t (kernels.cpp, small_layer: what LlamaDecoder._packed_layer computes through panels, call for
+    call). Returns the last layer's output."""
     num_rows, hidden_size = hidden.shape
     first = layers[0]
     k_cache = kv_caches[0][0]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     _check(hidden.dtype == first.dtype and hidden.is_cpu and hidden.is_contiguous() and hidden_size == first.hidden_size
-           and 1 <= num_rows <= SMALL_LINEAR_MAX_ROWS and len(layers) == len(kv_caches), "bad small_layers arguments")
+           and num_rows >= 1 and len(layers) == len(kv_caches), "bad small_layers arguments")
     _check(first.q_width == num_heads * head_dim and first.qkv_width == (num_heads + 2 * num_kv_heads) * head_dim
            and num_heads % num_kv_heads == 0, "head shapes do not match the layer")
     _check(rows.token_rows.shape[0] == num_rows and rows.max_token_row < num_rows and rows.block_size == block_size
