@@ -69,12 +69,12 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256
     # Seed for requests without their own seed.
     seed: int = 0
-    # CPU, where the weights are packed for oneDNN: decode steps of a few sequences (up to 4 rows in
-    # bfloat16, 3 in float32) read plain copies of the layers' matrices through our small-batch
-    # kernel, which streams them near the memory's bandwidth, each layer one call of our kernels
-    # (SmolLM2's batch-1 step about 20 -> 13 ms in bfloat16 on 2 cores: docs/benchmarks.md, 'Speed
-    # on the CPU against vLLM, fourth pass'). The layers' weights are then held twice; False keeps
-    # only the packed ones.
+    # CPU, where the weights are packed for oneDNN: the matrices and the LM head are also packed in
+    # panels for our own matmul (AVX-512, AMX tiles for bfloat16 where the CPU has them), and steps
+    # of up to 128 rows (4 in bfloat16 on a CPU without AMX) read them, a decode-only step each layer
+    # in one call of our kernels (SmolLM2's step at 1 / 8 / 64 rows about 12.4 / 20.3 / 34.8 -> 10.5 /
+    # 11.9 / 25.1 ms in bfloat16 on 2 cores: docs/benchmarks.md, 'Speed on the CPU against vLLM,
+    # fifth pass'). The weights are then held twice; False keeps only oneDNN's.
     small_batch_kernel: bool = True
     # Torch intra-op threads on CPU; None uses every core (Ray sets OMP_NUM_THREADS=1 in actors).
     num_threads: int | None = None

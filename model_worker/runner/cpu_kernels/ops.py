@@ -28,13 +28,15 @@ _F = ctypes.c_float
 SPLIT_LEN = 256
 # Output features per panel of a packed weight (kernels.cpp, panel_linear).
 PANEL = 16
-# Up to how many rows a step through the panel kernel (a decode-only step: each layer one
-# `small_layer` call) beats the same step through oneDNN's packed matmuls, by dtype and whether
-# bfloat16 runs on AMX tiles: SmolLM2's whole step on 2 cores of an Intel AVX-512/AMX machine
-# (docs/benchmarks.md, 'Speed on the CPU against vLLM, fifth pass'). Without AMX, bfloat16 goes
-# through dpbf16ps, which this CPU issues about once in two cycles: past 4 rows oneDNN's AMX was
-# the faster (a CPU with AVX512_BF16 and no AMX has no AMX for oneDNN either; 4 is the measured
-# lower bound).
+# Up to how many rows a step goes through the panel kernel rather than oneDNN's packed matmuls, by
+# dtype and whether bfloat16 runs on AMX tiles. SmolLM2's whole decode step on 2 cores of an Intel
+# AVX-512/AMX machine, panels against oneDNN (docs/benchmarks.md, 'Speed on the CPU against vLLM,
+# fifth pass'): bfloat16 at 16 / 32 / 64 / 96 / 128 rows 14.9 / 20.0 / 26.8 / 36.0 / 44.5 ms against
+# 24.4 / 28.6 / 36.5 / 47.7 / 55.2, float32 at 16 / 32 / 64 / 128 34.3 / 49.3 / 82.2 / 138.8 against
+# 47.0 / 62.0 / 96.7 / 157.4. Past 128 (prefill chunks) oneDNN's blocking wins: 2,048 rows of a layer
+# 6.3 against our 10.3 ms in bfloat16. Without AMX, bfloat16 goes through dpbf16ps, which that CPU
+# issues about once in two cycles: the 120 matrices at 4 / 8 rows took 10.6 / 14.3 ms against
+# oneDNN's (AMX) 11.8 / 11.8, so 4 (a CPU without AMX has none for oneDNN either: a lower bound).
 _FASTER_UP_TO = {(torch.bfloat16, True): 128, (torch.bfloat16, False): 4, (torch.float32, False): 128}
 
 
