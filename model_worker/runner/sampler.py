@@ -5,6 +5,13 @@ the exponential race: argmax(probs / E) with E ~ Exp(1) i.i.d. picks token i wit
 probs[i], and needs no cumulative sum or search. A seeded row draws its noise from a generator
 seeded by (seed, output_index) alone, so its tokens never depend on what else is in the batch,
 and a request preempted and recomputed draws the same noise again.
+
+On CPU, rows with a temperature and neither top-k nor top-p (the OpenAI API's defaults) draw in
+one pass of our kernel instead (cpu_kernels ops.sample: the same race in log space, the Gumbel-max
+trick, its noise a hash of the row's seed and the token index): torch's softmax, noise and
+division over a batch of 64 rows of SmolLM2's 49,152 logits took about 28 ms a step, the kernel
+about 3 (docs/benchmarks.md, 'sixth pass'). A seeded row's seed is still (seed, output_index)
+alone; an unseeded row's comes from the sampler's generator.
 """
 
 from __future__ import annotations
@@ -49,14 +56,54 @@ class Sampler:
         greedy = [p.temperature == 0.0 for p in params]
         if all(greedy):
             return self._argmax(logits).tolist()
+        vocab_size = logits.shape[1]
+        fused = ([not g and not _filters(p, vocab_size) for g, p in zip(greedy, params)]
+                 if self._has_fused_kernel(logits) else [False] * len(params))
+        if all(f or g for f, g in zip(fused, greedy)):
+            if all(fused):
+                return self._fused(logits, params, output_indices).tolist()
+            tokens = self._argmax(logits)  # greedy rows keep theirs; the rest are drawn below
+            rows = [i for i, f in enumerate(fused) if f]
+            tokens[rows] = self._fused(logits[rows], [params[i] for i in rows], [output_indices[i] for i in rows])
+            return tokens.tolist()
+        if any(fused):  # three kinds of rows: each kind its own way, then put back in order
+            tokens = [0] * len(params)
+            for rows, how in ((_where(fused), self._fused), (_where(not f for f in fused), self._torch_sample)):
+                drawn = how(logits[rows], [params[i] for i in rows], [output_indices[i] for i in rows])
+                for row, token in zip(rows, drawn.tolist()):
+                    tokens[row] = token
+            return tokens
+        return self._torch_sample(logits, params, output_indices).tolist()
+
+    def _has_fused_kernel(self, logits: torch.Tensor) -> bool:
+        return (logits.device.type == "cpu" and cpu_ops.supports(logits.dtype) and logits.stride(1) == 1
+                and cpu_ops.kernels() is not None)
+
+    def _fused(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               output_indices: Sequence[int]) -> torch.Tensor:
+        """Rows with a temperature and no top-k or top-p, drawn by the CPU kernel."""
+        inv_temperatures = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
+        unseeded = [p.seed is None for p in params]
+        seeds = (torch.randint(0, 2**63 - 1, (len(params),), generator=self.generator) if any(unseeded)
+                 else torch.empty(len(params), dtype=torch.int64))
+        for row, (p, output_index) in enumerate(zip(params, output_indices)):
+            if p.seed is not None:
+                seeds[row] = row_seed(p.seed, output_index)
+        return cpu_ops.sample(logits.contiguous(), inv_temperatures, seeds)
+
+    def _torch_sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                      output_indices: Sequence[int]) -> torch.Tensor:
+        """Each row drawn by torch ops (top-k and top-p included); greedy rows take the argmax."""
+        greedy = [p.temperature == 0.0 for p in params]
+        full = logits
         logits = logits.float()
         probs = self._filtered_probs(logits, params)
         noise = self._exponential_noise(probs.shape, params, output_indices)
         sampled = (probs / noise).argmax(dim=-1)
         if any(greedy):
             greedy_rows = self._tensor(greedy, torch.bool)
-            sampled = torch.where(greedy_rows, self._argmax(logits), sampled)
-        return sampled.tolist()
+            sampled = torch.where(greedy_rows, self._argmax(full), sampled)
+        return sampled
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's argmax; on CPU by our kernel where it is built (both threads, no float32 copy:
@@ -97,6 +144,15 @@ class Sampler:
                 self._row_generator.manual_seed(row_seed(p.seed, output_index))
                 uniform[row] = torch.rand(shape[1], device=self.device, generator=self._row_generator)
         return uniform.log_().neg_()
+
+
+def _filters(params: SamplingParams, vocab_size: int) -> bool:
+    """Whether a row narrows its distribution by top-k or top-p before drawing."""
+    return 0 < params.top_k < vocab_size or params.top_p < 1.0
+
+
+def _where(flags) -> list[int]:
+    return [i for i, flag in enumerate(flags) if flag]
 
 
 # Tokens sorted (by topk) per row for top-p: a full sort of the vocabulary is the slowest op of

@@ -169,6 +169,80 @@ def test_argmax_is_torch_argmax_with_its_ties_and_nans(dtype, width):
     assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
 
 
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def _gumbel_scores(x: torch.Tensor, inv_temperatures: torch.Tensor, seeds: torch.Tensor) -> np.ndarray:
+    """The scores sample_rows maximises, in float64: x / T - ln(-ln U), U from the hash of (seed, index)."""
+    rows, width = x.shape
+    index = np.arange(width, dtype=np.uint32)
+    scores = np.empty((rows, width))
+    with np.errstate(over="ignore"):
+        for r in range(rows):
+            seed = int(seeds[r]) % 2**64
+            lo, hi = np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)
+            h = _fmix32(_fmix32(index * np.uint32(0x9E3779B9) + lo) ^ hi)
+            u = (h >> np.uint32(8)).astype(np.float64) * 2.0**-24 + 2.0**-25
+            scores[r] = x[r].double().numpy() * float(inv_temperatures[r]) - np.log(-np.log(u))
+    return scores
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 5, 16, 2048, 2049, 49157])
+def test_sample_draws_the_maximum_of_logits_over_temperature_plus_gumbel_noise(dtype, width):
+    generator = torch.Generator().manual_seed(width)
+    rows = 12
+    x = (torch.randn(rows, width, generator=generator) * 4).to(dtype)
+    inv_temperatures = torch.tensor([1.0, 2.0, 0.5, 10.0] * 3, dtype=torch.float32)
+    seeds = torch.tensor([0, 1, -1, 2**62, -(2**63), 12345] * 2, dtype=torch.int64)
+    tokens = ops.sample(x, inv_temperatures, seeds)
+    scores = _gumbel_scores(x, inv_temperatures, seeds)
+    best = scores.max(axis=1)
+    picked = scores[np.arange(rows), tokens.numpy()]
+    # The kernel computes in float32: its pick is a maximiser up to float32 rounding of the scores.
+    assert np.all(best - picked <= 1e-5 * np.maximum(1.0, np.abs(best))), (best - picked)
+    assert torch.equal(ops.sample(x, inv_temperatures, seeds), tokens)  # a seed draws one token
+    # A row's token depends on its own logits, temperature and seed alone, not on the rest of the batch.
+    for r in (0, 5, 11):
+        assert int(ops.sample(x[r:r + 1].contiguous(), inv_temperatures[r:r + 1], seeds[r:r + 1])[0]) == tokens[r]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_sample_frequencies_follow_the_softmax_at_the_temperature(temperature):
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf"), 3.0])
+    draws = 40_000
+    x = logits.expand(draws, -1).contiguous()
+    tokens = ops.sample(x, torch.full((draws,), 1 / temperature), torch.arange(draws, dtype=torch.int64) * 7919 + 3)
+    counts = torch.bincount(tokens, minlength=len(logits)).double()
+    expected = torch.softmax(logits.double() / temperature, dim=0) * draws
+    assert counts[5] == 0  # -inf is never drawn
+    # Each count within 5 standard deviations of its binomial expectation.
+    sigma = (expected * (1 - expected / draws)).sqrt()
+    assert torch.all((counts - expected).abs() <= 5 * sigma + 1e-9), (counts, expected)
+
+
+def test_sample_gives_a_rows_first_nan_and_refuses_bad_calls():
+    x = torch.randn(3, 100)
+    x[1, 40] = x[1, 70] = float("nan")
+    inv, seeds = torch.ones(3), torch.arange(3, dtype=torch.int64)
+    assert int(ops.sample(x, inv, seeds)[1]) == 40
+    with pytest.raises(ValueError, match="positive and finite"):
+        ops.sample(x, torch.tensor([1.0, 0.0, 1.0]), seeds)
+    with pytest.raises(ValueError, match="positive and finite"):
+        ops.sample(x, torch.tensor([1.0, float("inf"), 1.0]), seeds)
+    with pytest.raises(ValueError, match="temperatures or seeds"):
+        ops.sample(x, torch.ones(2), seeds)
+    with pytest.raises(ValueError, match="temperatures or seeds"):
+        ops.sample(x, inv, seeds.int())
+    with pytest.raises(ValueError, match="bad sample argument"):
+        ops.sample(x.t(), torch.ones(100), torch.arange(100, dtype=torch.int64))
+
+
 def test_cpu_backend_gives_the_torch_backends_attention_on_a_mixed_step():
     """Prefill chunks (one starting its sequence, one continuing it) beside decodes; each backend
     writes the step's K/V into its own copy of the caches first."""

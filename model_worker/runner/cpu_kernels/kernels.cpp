@@ -555,6 +555,104 @@ void argmax_rows(const T* x, int64_t row_stride, int64_t rows, int64_t width, in
   });
 }
 
+// Sampling at a temperature, with no top-k or top-p, by the Gumbel-max trick: token i wins with
+// probability softmax(x / T)[i] when it maximises x[i] / T - ln(E[i]), E[i] = -ln(U[i]) ~ Exp(1)
+// (the exponential race of model_worker/runner/sampler.py in log space: no softmax, no division,
+// no pass over the row but this one). U[i] comes from a hash of (the row's seed, i), not from a
+// generator's stream, so a row's draw depends on its seed alone and needs no noise tensor. Every
+// operation is an IEEE single operation written out (fma where fused), with no reassociation, so
+// the vectorised loop and its scalar remainder round alike: the same seed and logits give the
+// same token whatever the machine's vector width.
+inline uint32_t fmix32(uint32_t h) {  // MurmurHash3's finaliser: every input bit moves every output bit
+  h ^= h >> 16;
+  h *= 0x85ebca6bu;
+  h ^= h >> 13;
+  h *= 0xc2b2ae35u;
+  h ^= h >> 16;
+  return h;
+}
+
+// ln(x) for a positive normal float, to about 1 ulp: x = m * 2^e with m in [sqrt(1/2), sqrt(2)),
+// ln(m) by Cephes' logf polynomial.
+inline float ln_positive(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  float e = static_cast<float>(static_cast<int32_t>(bits >> 23) - 127);
+  const uint32_t mantissa_bits = (bits & 0x007fffffu) | 0x3f800000u;
+  float m;
+  std::memcpy(&m, &mantissa_bits, sizeof(m));
+  const bool high = m > 1.41421356f;
+  m = high ? m * 0.5f : m;
+  e = high ? e + 1.f : e;
+  const float f = m - 1.f, z = f * f;
+  float p = 7.0376836292e-2f;
+  p = std::fma(p, f, -1.1514610310e-1f);
+  p = std::fma(p, f, 1.1676998740e-1f);
+  p = std::fma(p, f, -1.2420140846e-1f);
+  p = std::fma(p, f, 1.4249322787e-1f);
+  p = std::fma(p, f, -1.6668057665e-1f);
+  p = std::fma(p, f, 2.0000714765e-1f);
+  p = std::fma(p, f, -2.4999993993e-1f);
+  p = std::fma(p, f, 3.3333331174e-1f);
+  float y = p * f * z;
+  y = std::fma(e, -2.12194440e-4f, y);
+  y = std::fma(z, -0.5f, y);
+  const float r = f + y;
+  return std::fma(e, 0.693359375f, r);
+}
+
+// Elements of a row scored per pass: the scores stay in L1 between the scoring and the search.
+constexpr int64_t kSampleBlock = 2048;
+
+// out[r] = the token row r draws at inverse temperature inv_temperatures[r] with noise seeded by
+// seeds[r]; a row holding a NaN gives its first NaN's index, as torch.argmax would.
+template <typename T>
+void sample_rows(const T* x, int64_t row_stride, int64_t rows, int64_t width, const float* inv_temperatures,
+                 const int64_t* seeds, int64_t* out) {
+  for_each_index(rows, rows >= 2 && rows * width >= kParallelElements, [&](int64_t r) {
+    const T* xr = x + r * row_stride;
+    const float inv_t = inv_temperatures[r];
+    const uint64_t seed = static_cast<uint64_t>(seeds[r]);
+    const uint32_t seed_lo = static_cast<uint32_t>(seed), seed_hi = static_cast<uint32_t>(seed >> 32);
+    alignas(64) float scores[kSampleBlock];
+    int64_t best = 0;
+    float best_score = -std::numeric_limits<float>::infinity();
+    for (int64_t start = 0; start < width; start += kSampleBlock) {
+      const int64_t n = std::min(kSampleBlock, width - start);
+      int nans = 0;
+#pragma omp simd simdlen(16) reduction(+ : nans)
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t index = static_cast<uint32_t>(start + i);
+        const uint32_t h = fmix32(fmix32(index * 0x9e3779b9u + seed_lo) ^ seed_hi);
+        const float u = static_cast<float>(h >> 8) * 0x1p-24f + 0x1p-25f;  // in (0, 1), exact
+        const float exponential = -ln_positive(u);                         // in (0, 17.4]
+        const float v = to_float(xr[start + i]);
+        const float s = std::fma(v, inv_t, -ln_positive(exponential));
+        scores[i] = s;
+        nans += s != s;
+      }
+      if (nans) {
+        for (int64_t i = 0;; ++i)
+          if (scores[i] != scores[i]) {
+            best = start + i;
+            break;
+          }
+        break;
+      }
+      float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+      for (int64_t i = 0; i < n; ++i) top = std::max(top, scores[i]);
+      if (top > best_score || start == 0) {
+        int64_t i = 0;
+        while (scores[i] != top) ++i;
+        best_score = top;
+        best = start + i;
+      }
+    }
+    out[r] = best;
+  });
+}
+
 // Linear layers: out[m] = x[m] @ w^T (+ bias) (+ residual[m]), summed in float32 and rounded once,
 // for w packed once at load in panels of 16 output features (ops.py, pack_panels): float32
 // (out/16, in, 16), each panel row the 16 features' weights for one input; bfloat16 (out/16, in/2,
@@ -896,6 +994,10 @@ void decode_attention_bf16(const bf16* q, int64_t q_token_stride, const bf16* k_
   }                                                                                                                 \
   void argmax_rows_##SUFFIX(const T* x, int64_t row_stride, int64_t rows, int64_t width, int64_t* out) {            \
     argmax_rows(x, row_stride, rows, width, out);                                                                   \
+  }                                                                                                                 \
+  void sample_rows_##SUFFIX(const T* x, int64_t row_stride, int64_t rows, int64_t width,                          \
+                            const float* inv_temperatures, const int64_t* seeds, int64_t* out) {                   \
+    sample_rows(x, row_stride, rows, width, inv_temperatures, seeds, out);                                          \
   }                                                                                                                 \
   void silu_and_mul_##SUFFIX(const T* x, int64_t x_row_stride, T* out, int64_t rows, int64_t width) {               \
     silu_and_mul(x, x_row_stride, out, rows, width);                                                                \

@@ -52,6 +52,7 @@ def kernels() -> ctypes.CDLL | None:
                   "rms_norm": [_P, _I, _P, _P, _I, _I, _F],
                   "rotary_and_cache": [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
                   "argmax_rows": [_P, _I, _I, _I, _P],
+                  "sample_rows": [_P, _I, _I, _I, _P, _P, _P],
                   "silu_and_mul": [_P, _I, _P, _I, _I],
                   "panel_linear": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I],
                   "small_layer": [_P, _P, _I, _I, _I, _F, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P,
@@ -353,6 +354,27 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64)
     if rows:
         getattr(_library(), f"argmax_rows_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.stride(0), rows, width, out.data_ptr())
+    return out
+
+
+def sample(x: torch.Tensor, inv_temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """One token per row of logits x (rows, width), rows contiguous, drawn from softmax(x[r] *
+    inv_temperatures[r]) with noise that depends on seeds[r] and the token index alone (kernels.cpp,
+    sample_rows): (rows,) int64. inv_temperatures (rows,) float32 positive and finite, seeds (rows,)
+    int64."""
+    rows, width = x.shape
+    _check(x.dtype in _SUFFIX and x.stride(1) == 1 and x.device.type == "cpu" and 0 < width < 2**31,
+           "bad sample argument")
+    _check(inv_temperatures.dtype == torch.float32 and inv_temperatures.shape == (rows,)
+           and inv_temperatures.is_contiguous() and seeds.dtype == torch.int64 and seeds.shape == (rows,)
+           and seeds.is_contiguous(), "bad sample temperatures or seeds")
+    _check(bool(torch.isfinite(inv_temperatures).all()) and bool((inv_temperatures > 0).all()),
+           "inverse temperatures must be positive and finite")
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        getattr(_library(), f"sample_rows_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.stride(0), rows, width,
+                                                              inv_temperatures.data_ptr(), seeds.data_ptr(),
+                                                              out.data_ptr())
     return out
 
 
