@@ -115,6 +115,56 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// A cache row of head_dim = 16 * C elements as C float vectors. bfloat16 with C even is read 32
+// elements a load and widened without shuffles: the even elements by a shift, the odd ones by a
+// mask (a bfloat16 is the top half of its float), so vector 2i holds elements 32i + 2j and vector
+// 2i + 1 elements 32i + 2j + 1 (j = 0..15): `split_pairs` says whether T reads in that order, and
+// the query and the accumulators are kept in it too (to_pair_order, from_pair_order). Widening
+// by vpmovzxwd, as load16 does, takes the shuffle port that the reductions of the scores need.
+template <typename T, int C>
+constexpr bool split_pairs = std::is_same_v<T, bf16> && C % 2 == 0;
+
+template <typename T, int C>
+inline void load_row(const T* p, __m512* out) {
+  if constexpr (split_pairs<T, C>) {
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    for (int i = 0; i < C / 2; ++i) {
+      const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(p + 32 * i));
+      out[2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      out[2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    }
+  } else {
+    for (int c = 0; c < C; ++c) out[c] = load16(p + 16 * c);
+  }
+}
+
+// D = 16 * C floats at p, rewritten in place into load_row's order, and back.
+template <typename T, int C>
+inline void to_pair_order(float* p) {
+  if constexpr (split_pairs<T, C>) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int i = 0; i < C / 2; ++i) {
+      const __m512 a = _mm512_loadu_ps(p + 32 * i), b = _mm512_loadu_ps(p + 32 * i + 16);
+      _mm512_storeu_ps(p + 32 * i, _mm512_permutex2var_ps(a, even, b));
+      _mm512_storeu_ps(p + 32 * i + 16, _mm512_permutex2var_ps(a, odd, b));
+    }
+  }
+}
+
+template <typename T, int C>
+inline void from_pair_order(float* p) {
+  if constexpr (split_pairs<T, C>) {
+    const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    for (int i = 0; i < C / 2; ++i) {
+      const __m512 even = _mm512_loadu_ps(p + 32 * i), odd = _mm512_loadu_ps(p + 32 * i + 16);
+      _mm512_storeu_ps(p + 32 * i, _mm512_permutex2var_ps(even, low, odd));
+      _mm512_storeu_ps(p + 32 * i + 16, _mm512_permutex2var_ps(even, high, odd));
+    }
+  }
+}
+
 // DecodePart::run for G query heads per kv head and head_dim = 16 * C, with a kv head's queries and
 // accumulators in registers: the range is walked 16 positions at a time, and within each tile every
 // kv head in turn (the tile's slots, all kv heads, are contiguous in the cache: read front to back,
@@ -147,8 +197,12 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
     const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xffffu : (1u << n) - 1u);
     for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
       __m512 q[G][C];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(query + (kv * G + g) * D + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        alignas(64) float ordered[D];
+        std::memcpy(ordered, query + (kv * G + g) * D, sizeof(ordered));
+        to_pair_order<T, C>(ordered);
+        for (int c = 0; c < C; ++c) q[g][c] = _mm512_load_ps(ordered + 16 * c);
+      }
       __m512 dots[G][16];
       for (int p = 0; p < 16; ++p) {
         if (p >= n) {
@@ -157,7 +211,7 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
         }
         const T* k = slot(k_cache, tile + p) + kv * D;
         __m512 kc[C];
-        for (int c = 0; c < C; ++c) kc[c] = load16(k + 16 * c);
+        load_row<T, C>(k, kc);
         for (int g = 0; g < G; ++g) {
           __m512 sum = _mm512_mul_ps(q[g][0], kc[0]);
           for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(q[g][c], kc[c], sum);
@@ -196,7 +250,7 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
       for (int64_t pos = tile; pos < stop; ++pos) {
         const T* v = slot(v_cache, pos) + kv * D;
         __m512 vc[C];
-        for (int c = 0; c < C; ++c) vc[c] = load16(v + 16 * c);
+        load_row<T, C>(v, vc);
         for (int g = 0; g < G; ++g) {
           const __m512 p = _mm512_set1_ps(scores[(kv * G + g) * len + pos - begin]);
           for (int c = 0; c < C; ++c) out[g][c] = _mm512_fmadd_ps(p, vc[c], out[g][c]);
@@ -206,6 +260,7 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
         for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (kv * G + g) * D + 16 * c, out[g][c]);
     }
   }
+  for (int64_t h = 0; h < num_heads; ++h) from_pair_order<T, C>(acc + h * D);
 }
 
 template <typename T>
