@@ -60,3 +60,16 @@ def test_unseeded_rows_draw_fresh_noise_each_step_and_a_fresh_sampler_replays_it
     draws = [first.sample(logits, params, [0] * 4) for _ in range(5)]
     assert len({tuple(d) for d in draws}) == 5
     assert [second.sample(logits, params, [0] * 4) for _ in range(5)] == draws
+
+
+def test_the_sampler_benchmark_times_every_path_and_refuses_bad_arguments():
+    from loadtest.benchmarks import bench_sampler
+
+    report = bench_sampler.main(["--rows", "1,3", "--vocab", "50", "--calls", "1", "--repeats", "1", "--threads", "1"])
+    for dtype in ("bfloat16", "float32"):
+        for rows in ("1", "3"):
+            assert set(report["ms_per_call"][dtype][rows]) == {"torch", "one_pass", "argmax"}
+            assert all(ms > 0 for ms in report["ms_per_call"][dtype][rows].values())
+    for bad in (["--rows", "0"], ["--vocab", "0"], ["--dtypes", "float16"]):
+        with pytest.raises(SystemExit):
+            bench_sampler.parse_args(bad)
