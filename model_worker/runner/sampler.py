@@ -59,21 +59,18 @@ class Sampler:
         vocab_size = logits.shape[1]
         fused = ([not g and not _filters(p, vocab_size) for g, p in zip(greedy, params)]
                  if self._has_fused_kernel(logits) else [False] * len(params))
-        if all(f or g for f, g in zip(fused, greedy)):
-            if all(fused):
-                return self._fused(logits, params, output_indices).tolist()
-            tokens = self._argmax(logits)  # greedy rows keep theirs; the rest are drawn below
-            rows = [i for i, f in enumerate(fused) if f]
-            tokens[rows] = self._fused(logits[rows], [params[i] for i in rows], [output_indices[i] for i in rows])
-            return tokens.tolist()
-        if any(fused):  # three kinds of rows: each kind its own way, then put back in order
-            tokens = [0] * len(params)
-            for rows, how in ((_where(fused), self._fused), (_where(not f for f in fused), self._torch_sample)):
-                drawn = how(logits[rows], [params[i] for i in rows], [output_indices[i] for i in rows])
-                for row, token in zip(rows, drawn.tolist()):
-                    tokens[row] = token
-            return tokens
-        return self._torch_sample(logits, params, output_indices).tolist()
+        if not any(fused):
+            return self._torch_sample(logits, params, output_indices).tolist()
+        if all(fused):
+            return self._fused(logits, params, output_indices).tolist()
+        # Rows of both kinds: each drawn its own way (greedy rows with the others, by argmax), then
+        # put back in order.
+        tokens = [0] * len(params)
+        for rows, how in ((_where(fused), self._fused), (_where(not f for f in fused), self._torch_sample)):
+            drawn = how(logits[rows], [params[i] for i in rows], [output_indices[i] for i in rows])
+            for row, token in zip(rows, drawn.tolist()):
+                tokens[row] = token
+        return tokens
 
     def _has_fused_kernel(self, logits: torch.Tensor) -> bool:
         return (logits.device.type == "cpu" and cpu_ops.supports(logits.dtype) and logits.stride(1) == 1
@@ -95,6 +92,8 @@ class Sampler:
                       output_indices: Sequence[int]) -> torch.Tensor:
         """Each row drawn by torch ops (top-k and top-p included); greedy rows take the argmax."""
         greedy = [p.temperature == 0.0 for p in params]
+        if all(greedy):
+            return self._argmax(logits)
         full = logits
         logits = logits.float()
         probs = self._filtered_probs(logits, params)
