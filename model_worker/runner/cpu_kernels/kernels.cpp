@@ -138,31 +138,29 @@ inline void load_row(const T* p, __m512* out) {
   }
 }
 
-// D = 16 * C floats at p, rewritten in place into load_row's order, and back.
+// D = 16 * C floats at p, rewritten in place into load_row's order, and back: each 32 floats
+// (a, b) become (a b permuted by first, a b permuted by second).
 template <typename T, int C>
-inline void to_pair_order(float* p) {
+inline void permute_pairs(float* p, __m512i first, __m512i second) {
   if constexpr (split_pairs<T, C>) {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     for (int i = 0; i < C / 2; ++i) {
       const __m512 a = _mm512_loadu_ps(p + 32 * i), b = _mm512_loadu_ps(p + 32 * i + 16);
-      _mm512_storeu_ps(p + 32 * i, _mm512_permutex2var_ps(a, even, b));
-      _mm512_storeu_ps(p + 32 * i + 16, _mm512_permutex2var_ps(a, odd, b));
+      _mm512_storeu_ps(p + 32 * i, _mm512_permutex2var_ps(a, first, b));
+      _mm512_storeu_ps(p + 32 * i + 16, _mm512_permutex2var_ps(a, second, b));
     }
   }
 }
 
 template <typename T, int C>
+inline void to_pair_order(float* p) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  permute_pairs<T, C>(p, even, _mm512_add_epi32(even, _mm512_set1_epi32(1)));
+}
+
+template <typename T, int C>
 inline void from_pair_order(float* p) {
-  if constexpr (split_pairs<T, C>) {
-    const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
-    for (int i = 0; i < C / 2; ++i) {
-      const __m512 even = _mm512_loadu_ps(p + 32 * i), odd = _mm512_loadu_ps(p + 32 * i + 16);
-      _mm512_storeu_ps(p + 32 * i, _mm512_permutex2var_ps(even, low, odd));
-      _mm512_storeu_ps(p + 32 * i + 16, _mm512_permutex2var_ps(even, high, odd));
-    }
-  }
+  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  permute_pairs<T, C>(p, low, _mm512_add_epi32(low, _mm512_set1_epi32(8)));
 }
 
 // DecodePart::run for G query heads per kv head and head_dim = 16 * C, with a kv head's queries and
