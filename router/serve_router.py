@@ -4,8 +4,9 @@ It runs inside every caller's handle (the ingress replicas), so a routing decisi
 RPC and no `ray.get` on the request path. Inputs, freshest first:
 - the request object itself (`contracts.serving.GenerateRequest.block_hashes`, computed once by
   the ingress with the engine's hash function and the request's cache key);
-- Serve's per-replica count of ongoing requests, updated as this router sends and as requests
-  finish (the load term);
+- its own count of the requests it routed to each replica and that have not finished (the load
+  term, exact for this caller), plus, from each replica's last report, the requests other callers
+  hold there;
 - each replica's `record_routing_stats` report, polled by the Serve controller every
   `request_routing_stats_period_s` (free KV blocks, and the prefix cache's changes since a few
   reports back or now and then all its hashes: router/report_builder.py), folded into the
@@ -18,19 +19,29 @@ from __future__ import annotations
 
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from contracts import RoutingReport
 from contracts.serving import GenerateRequest
 from router.policy import ReplicaSnapshot, RouterConfig, make_policy
 from router.prefix_index import PrefixIndex
 
-# A choice that no send followed within this long (a retry chose again) stops counting as load.
-UNSENT_TTL_S = 1.0
+# A choice that Serve has not confirmed as taken by a replica within this long (the request was
+# cancelled, or its send failed and no retry followed) stops counting as load.
+UNROUTED_TTL_S = 5.0
+
+
+@dataclass(slots=True)
+class _Dispatch:
+    replica_id: str
+    chosen_s: float
+    # Serve confirmed that the replica took it (`on_request_routed`): it counts until it finishes.
+    routed: bool = False
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -50,10 +61,19 @@ class PrefixAwareRouter(RequestRouter):
         self._parsed: dict[str, tuple[Any, RoutingReport | None]] = {}
         # Seconds per decision, for the overhead figure in docs/architecture.md.
         self.decision_times_s: deque[float] = deque(maxlen=10_000)
-        # replica id -> times of choices not sent yet. Serve counts a request against a replica
-        # once it is sent, and a burst's decisions run ahead of the sends: without these, every
-        # request of a burst would see the same loads and pick the same replica.
-        self._unsent: dict[str, deque[float]] = {}
+        # This router's requests, by Serve's internal request id, from the decision until they
+        # finish. Serve's own per-replica count is no load figure: each replica's answer to a send
+        # overwrites it with the replica's count at that moment, which leaves out the requests
+        # still on their way there and those whose finish has not reached the router yet (then
+        # decremented again), so under a burst on a loaded machine it undercounts a slow replica
+        # and piles work onto it (16 of 30 on one of 3 replicas in a CI run).
+        self._dispatches: dict[str, _Dispatch] = {}
+        self._routed: Counter[str] = Counter()  # replica id -> this router's requests it took
+        self._unrouted: Counter[str] = Counter()  # replica id -> choices not confirmed yet
+        self._unrouted_ids: dict[str, float] = {}  # request id -> time chosen, oldest first
+        # replica id -> this router's routed count when the replica's last report arrived: the
+        # report's queued + running beyond it are other callers' requests.
+        self._routed_at_report: dict[str, int] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -63,6 +83,7 @@ class PrefixAwareRouter(RequestRouter):
         now_s = time.monotonic()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         reports = self._fold_reports(by_id, now_s)
+        self._expire_unrouted(now_s)
         request = _generate_request(pending_request)
         eligible = _eligible(reports, request)
         hashes = request.block_hashes if request is not None else []
@@ -71,13 +92,18 @@ class PrefixAwareRouter(RequestRouter):
         chosen = self.policy.choose(snapshots, hits, len(hashes), _blocks_needed(request, reports.values()))
         if hashes:
             self.index.record_dispatch(chosen, hashes, now_s)
-        self._unsent.setdefault(chosen, deque()).append(now_s)
+        request_id = _request_id(pending_request)
+        if request_id is not None:
+            self._track(request_id, _Dispatch(chosen, now_s))
         if request is not None:
             request.routed_replica_id = chosen  # the caller's own object: it names a replica that hangs
         self.decision_times_s.append(time.perf_counter() - started_s)
-        # The rest is Serve's fallback, tried (least loaded first) only when the chosen replica does
-        # not answer Serve's queue-length probe or is full: a frozen replica costs one probe timeout.
-        rest = [by_id[rid] for rid in eligible if rid != chosen]
+        # The rest is Serve's fallback, tried only when the chosen replica does not answer Serve's
+        # queue-length probe or is full: a frozen replica costs one probe timeout. Serve takes the
+        # lowest of its own counts there and the first on a tie, so the rest go least loaded first
+        # by this router's count (in candidate order, every fallback would go to the same one).
+        loads = {snapshot.replica_id: snapshot.load for snapshot in snapshots}
+        rest = [by_id[rid] for rid in sorted(eligible, key=loads.__getitem__) if rid != chosen]
         return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -93,12 +119,43 @@ class PrefixAwareRouter(RequestRouter):
             except ValueError:
                 pass
 
-    def on_send_request(self, replica_id: Any) -> None:
-        """Serve counts the request against the replica from now on: stop counting it here."""
-        super().on_send_request(replica_id)
-        unsent = self._unsent.get(replica_id.unique_id)
-        if unsent:
-            unsent.popleft()
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        """The replica took the request: it counts there (where Serve sent it, which is another
+        replica than the choice when the chosen one did not answer) until it finishes."""
+        super().on_request_routed(pending_request, replica_id, result)
+        request_id = _request_id(pending_request)
+        if request_id is not None:
+            self._track(request_id, _Dispatch(replica_id.unique_id, time.monotonic(), routed=True))
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Finished, failed or cancelled on `replica_id`. The completion of an earlier try (a
+        rejected send) leaves the request's newer choice of another replica counting."""
+        super().on_request_completed(replica_id, internal_request_id)
+        dispatch = self._dispatches.get(internal_request_id)
+        if dispatch is not None and dispatch.replica_id == replica_id.unique_id:
+            self._track(internal_request_id, None)
+
+    def _track(self, request_id: str, dispatch: _Dispatch | None) -> None:
+        """Sets (or, with None, ends) the request's dispatch, keeping the per-replica counts."""
+        old = self._dispatches.pop(request_id, None)
+        if old is not None:
+            (self._routed if old.routed else self._unrouted)[old.replica_id] -= 1
+            self._unrouted_ids.pop(request_id, None)
+        if dispatch is not None:
+            self._dispatches[request_id] = dispatch
+            (self._routed if dispatch.routed else self._unrouted)[dispatch.replica_id] += 1
+            if not dispatch.routed:
+                self._unrouted_ids[request_id] = dispatch.chosen_s
+
+    def _expire_unrouted(self, now_s: float) -> None:
+        """Drops choices Serve never confirmed within UNROUTED_TTL_S (oldest first: every
+        choice is inserted anew, so the order is the order of the choices)."""
+        unrouted = self._unrouted_ids
+        while unrouted:
+            request_id, chosen_s = next(iter(unrouted.items()))
+            if chosen_s >= now_s - UNROUTED_TTL_S:
+                break
+            self._track(request_id, None)
 
     def _fold_reports(self, by_id: dict[str, RunningReplica], now_s: float) -> dict[str, RoutingReport | None]:
         """Each candidate's report (None before its first); a new one is parsed and folded into
@@ -108,6 +165,7 @@ class PrefixAwareRouter(RequestRouter):
             self.index.retain(by_id)
             self._report_seq = {k: v for k, v in self._report_seq.items() if k in by_id}
             self._parsed = {k: v for k, v in self._parsed.items() if k in by_id}
+            self._routed_at_report = {k: v for k, v in self._routed_at_report.items() if k in by_id}
         return reports
 
     def _report_of(self, replica_id: str, replica: RunningReplica, now_s: float) -> RoutingReport | None:
@@ -119,22 +177,26 @@ class PrefixAwareRouter(RequestRouter):
         self._parsed[replica_id] = (stats, report)
         if report is not None and self._report_seq.get(replica_id) != report.report_seq:
             self._report_seq[replica_id] = report.report_seq
+            self._routed_at_report[replica_id] = self._routed[replica_id]
             self.index.apply_report(replica_id, report, now_s)
         return report
 
     def _snapshot(self, replica_id: str, replica: RunningReplica, now_s: float) -> ReplicaSnapshot:
-        """Load is Serve's count of requests sent to the replica and not finished (fresh, kept by
-        every caller's router); before Serve has one, the replica's last report."""
+        """Load is this router's requests on the replica (chosen or taken, not finished: fresh
+        and exact) plus other callers' there: the replica's last report of queued + running
+        beyond this router's count when that report arrived."""
         report = self._report_of(replica_id, replica, now_s) or RoutingReport(replica_id, 0)
-        ongoing = self.replica_queue_len_cache.get(replica.replica_id)
-        load = ongoing if ongoing is not None else report.num_queued + report.num_running
-        unsent = self._unsent.get(replica_id)
-        while unsent and unsent[0] < now_s - UNSENT_TTL_S:  # chosen on a try that was not sent
-            unsent.popleft()
-        load += len(unsent or ())
+        others = report.num_queued + report.num_running - self._routed_at_report.get(replica_id, 0)
+        load = self._routed[replica_id] + self._unrouted[replica_id] + max(others, 0)
         if report.report_seq == 0:  # no report yet: capacity unknown, assume it is all free
             return ReplicaSnapshot(replica_id, int(load), 0, 0)
         return ReplicaSnapshot(replica_id, int(load), report.num_free_kv_blocks, report.num_total_kv_blocks)
+
+
+def _request_id(pending_request: PendingRequest | None) -> str | None:
+    """Serve's internal id of the request (the same over its retries), None for a bare call."""
+    metadata = getattr(pending_request, "metadata", None)
+    return getattr(metadata, "internal_request_id", None)
 
 
 def _generate_request(pending_request: PendingRequest | None) -> GenerateRequest | None:

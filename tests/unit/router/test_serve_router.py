@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
+from dataclasses import dataclass
 from types import SimpleNamespace
+
+from ray.serve._private.request_router.common import ReplicaQueueLengthCache
 
 from contracts import RoutingReport
 from contracts.serving import GenerateRequest
@@ -13,20 +17,9 @@ from router import serve_router
 from router.serve_router import PrefixAwareRouter
 
 
-class FakeQueueLens:
-    """Serve's per-replica count of requests sent and not finished; None: not known yet."""
-
-    def __init__(self, lens: dict[str, int] | None = None) -> None:
-        self.lens = lens or {}
-
-    def get(self, replica_id):
-        return self.lens.get(replica_id.unique_id)
-
-
-def make_router(policy: str = "pow2", queue_lens: dict[str, int] | None = None) -> PrefixAwareRouter:
+def make_router(policy: str = "pow2") -> PrefixAwareRouter:
     router = PrefixAwareRouter.__new__(PrefixAwareRouter)
-    router._replica_queue_len_cache = FakeQueueLens(queue_lens)
-    router._use_replica_queue_len_cache = False  # Serve's own bookkeeping on send, not under test
+    router._use_replica_queue_len_cache = False  # Serve's own count: the router does not read it
     router.initialize_state(policy=policy, seed=0)
     return router
 
@@ -71,6 +64,10 @@ def test_the_other_eligible_replicas_are_serves_fallback():
     assert {r.replica_id.unique_id for r in ranked[0] + ranked[1]} == {"a", "c"}
 
 
+def pending(request: GenerateRequest, request_id: str) -> SimpleNamespace:
+    return SimpleNamespace(args=[request], metadata=SimpleNamespace(internal_request_id=request_id))
+
+
 def ids(ranked) -> list[list[str]]:
     return [[r.replica_id.unique_id for r in group] for group in ranked]
 
@@ -80,23 +77,89 @@ def test_a_burst_of_choices_spreads_before_serve_counts_the_sends():
     its own choices, so a burst does not pile onto the replica that looked idle."""
     router = make_router("prefix_aware")
     replicas = [replica("a"), replica("b")]
-    chosen = [ids(choose(router, replicas, GenerateRequest([1, 2], SamplingParams(max_tokens=2))))[0][0]
-              for _ in range(10)]
+    chosen = [ids(asyncio.run(router.choose_replicas(
+        replicas, pending(GenerateRequest([1, 2], SamplingParams(max_tokens=2)), f"r{i}"))))[0][0] for i in range(10)]
     assert sorted(chosen.count(r) for r in "ab") == [5, 5], chosen
 
 
-def test_a_sent_choice_stops_counting_and_an_unsent_one_expires(monkeypatch):
+def test_a_choice_counts_until_its_request_finishes_where_serve_sent_it(monkeypatch):
     router = make_router("prefix_aware")
-    replicas = [replica("a"), replica("b")]
-    first = ids(choose(router, replicas, GenerateRequest([1, 2], SamplingParams(max_tokens=2))))[0][0]
-    assert len(router._unsent[first]) == 1
-    router.on_send_request(SimpleNamespace(unique_id=first))
-    assert not router._unsent[first]
-    # A choice no send followed (a retry chose again) counts for UNSENT_TTL_S, then not at all.
-    second = ids(choose(router, replicas, GenerateRequest([1, 2], SamplingParams(max_tokens=2))))[0][0]
-    later = time.monotonic() + serve_router.UNSENT_TTL_S + 1
+    replicas = {u: replica(u) for u in "abc"}
+    request = pending(GenerateRequest([1, 2], SamplingParams(max_tokens=2)), "r1")
+    first = ids(asyncio.run(router.choose_replicas(list(replicas.values()), request)))
+    chosen, fallback = first[0][0], first[1][0]
+    loads = lambda: {u: router._snapshot(u, r, time.monotonic()).load for u, r in replicas.items()}  # noqa: E731
+    assert loads()[chosen] == 1
+    # The chosen replica did not answer Serve's probe: Serve sent the request to the fallback.
+    router.on_request_routed(request, replicas[fallback].replica_id, None)
+    assert loads() == {u: int(u == fallback) for u in "abc"}
+    router.on_request_completed(replicas[chosen].replica_id, "r1")  # an earlier try's: not this one
+    assert loads()[fallback] == 1
+    router.on_request_completed(replicas[fallback].replica_id, "r1")
+    assert loads() == {u: 0 for u in "abc"} and not router._dispatches
+    # A choice Serve never confirms (the caller went away before the send) stops counting.
+    lost = ids(asyncio.run(router.choose_replicas(list(replicas.values()),
+                                                  pending(GenerateRequest([1, 2], SamplingParams(max_tokens=2)), "r2"))))
+    assert loads()[lost[0][0]] == 1
+    later = time.monotonic() + serve_router.UNROUTED_TTL_S + 1
     monkeypatch.setattr(serve_router.time, "monotonic", lambda: later)
-    assert router._snapshot(second, replicas[0 if second == "a" else 1], later).load == 0
+    asyncio.run(router.choose_replicas(list(replicas.values()), None))
+    assert "r2" not in router._dispatches and loads()[lost[0][0]] == 0
+
+
+def test_the_fallback_goes_least_loaded_first():
+    router = make_router("prefix_aware")
+    replicas = [replica("a", num_running=5), replica("b", num_running=9), replica("c", num_running=0)]
+    ranked = ids(choose(router, replicas, GenerateRequest([1, 2], SamplingParams(max_tokens=2))))
+    assert ranked == [["c"], ["a", "b"]]
+
+
+@dataclass(frozen=True)
+class ReplicaKey:
+    unique_id: str
+
+
+def test_a_burst_under_serves_own_bookkeeping_counts_every_request_where_it_is():
+    """Serve's calls around each decision as a loaded machine orders them: the send, the replica's
+    answer a step later (its own count then, which overwrites Serve's), the finish two steps on
+    and its callback later still. Serve's count is wrong in between (CI once put 16 of 30 on one
+    of 3 identical replicas through it); the router's own count must equal the truth at every
+    decision, and the burst must spread."""
+    router = PrefixAwareRouter.__new__(PrefixAwareRouter)
+    router._replica_queue_len_cache = ReplicaQueueLengthCache()
+    router._use_replica_queue_len_cache = True  # Serve's own bookkeeping runs as it does for real
+    router._update_router_queue_len_gauge = lambda *args: None
+    router.initialize_state(policy="prefix_aware", seed=0)
+    replicas = {u: SimpleNamespace(replica_id=ReplicaKey(u), routing_stats=replica(u).routing_stats) for u in "abc"}
+    events: list[tuple[int, int, str, str, SimpleNamespace]] = []
+    at_replica, in_flight, sent = Counter(), Counter(), Counter()
+    for step in range(60):
+        for event in sorted(e for e in events if e[0] <= step):
+            events.remove(event)
+            _, order, kind, rid, request = event
+            if kind == "accept":
+                at_replica[rid] += 1
+                router.on_new_queue_len_info(replicas[rid].replica_id, at_replica[rid])
+                router.on_request_routed(request, replicas[rid].replica_id, None)
+                events.append((step + 2, order, "finish", rid, request))
+            elif kind == "finish":
+                at_replica[rid] -= 1
+                events.append((step + 1, order, "done", rid, request))
+            else:
+                in_flight[rid] -= 1
+                router.decrement_queue_len_cache(replicas[rid].replica_id)
+                router.on_request_completed(replicas[rid].replica_id, request.metadata.internal_request_id)
+        if step >= 30:
+            continue
+        now = time.monotonic()
+        assert {u: router._snapshot(u, r, now).load for u, r in replicas.items()} == {u: in_flight[u] for u in "abc"}
+        request = pending(GenerateRequest([1, 2], SamplingParams(max_tokens=2)), f"r{step}")
+        rid = ids(asyncio.run(router.choose_replicas(list(replicas.values()), request)))[0][0]
+        router.on_send_request(replicas[rid].replica_id)
+        in_flight[rid] += 1
+        sent[rid] += 1
+        events.append((step + 1, step, "accept", rid, request))
+    assert not router._dispatches and max(sent.values()) <= 12, sent
 
 
 def test_each_report_is_folded_in_once_and_gone_replicas_are_forgotten():
@@ -117,8 +180,9 @@ def test_each_report_is_folded_in_once_and_gone_replicas_are_forgotten():
     assert router.index.replica_ids == {"a"} and set(router._report_seq) == {"a"}
 
 
-def test_the_prefix_holder_wins_and_serves_queue_lengths_beat_the_reports():
-    """Load is Serve's queue length when it has one, else the replica's reported queue + running."""
+def test_the_prefix_holder_wins_unless_other_callers_load_it_past_the_others():
+    """Load is this router's requests on the replica plus the report's queued + running beyond
+    what this router had there when the report came (other callers' requests)."""
     block = list(range(16))
     request = lambda: GenerateRequest(block * 2, SamplingParams(max_tokens=2), block_hashes=[7, 8])  # noqa: E731
     router = make_router("prefix_aware")
@@ -128,8 +192,12 @@ def test_the_prefix_holder_wins_and_serves_queue_lengths_beat_the_reports():
     busy = make_router("prefix_aware")
     holder_busy = replica("holder", cached_block_hashes=[7, 8], num_queued=20, num_running=10)
     assert ids(choose(busy, [holder_busy, replica("other")], request()))[0] == ["other"]
-    # Serve's count wins over the report: it says the holder is idle.
-    counted = make_router("prefix_aware", queue_lens={"holder": 0, "other": 0})
+    # The same report, arriving while this router had 30 requests there: they were its own, and
+    # they have all finished since.
+    counted = make_router("prefix_aware")
+    counted._routed["holder"] = 30
+    choose(counted, [holder_busy, replica("other")], GenerateRequest([1, 2], SamplingParams(max_tokens=2)))
+    counted._routed["holder"] = 0
     assert ids(choose(counted, [holder_busy, replica("other")], request()))[0] == ["holder"]
 
 
