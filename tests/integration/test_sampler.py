@@ -73,3 +73,16 @@ def test_the_sampler_benchmark_times_every_path_and_refuses_bad_arguments():
     for bad in (["--rows", "0"], ["--vocab", "0"], ["--dtypes", "float16"]):
         with pytest.raises(SystemExit):
             bench_sampler.parse_args(bad)
+
+
+def test_the_idle_ttft_benchmark_times_each_condition_and_refuses_bad_arguments(tiny_model_dir):
+    from loadtest.benchmarks import bench_idle_ttft
+
+    report = bench_idle_ttft.main(["--model", tiny_model_dir, "--rounds", "2", "--idle-s", "0.05",
+                                   "--evict-mb", "4", "--prompt-tokens", "20", "--threads", "1"])
+    assert set(report["ttft_runs_ms"]) == set(bench_idle_ttft.CONDITIONS)
+    assert all(len(runs) == 2 and all(ms > 0 for ms in runs) for runs in report["ttft_runs_ms"].values())
+    assert report["idle_over_hot"] > 0 and report["evicted_over_hot"] > 0
+    for bad in (["--rounds", "0"], ["--idle-s", "-1"], ["--prompt-tokens", "0"], ["--evict-mb", "0"]):
+        with pytest.raises(SystemExit):
+            bench_idle_ttft.parse_args(bad)
