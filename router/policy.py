@@ -10,8 +10,9 @@ that costs more in queueing than the hit saves:
   hit: nothing here matches characters or approximates a tree.
 - load / max_load: the replica's requests (waiting + running) over the busiest replica's, so the
   term is 0..1 like the others and means "relative to the rest" at any scale.
-- kv_pressure: the fraction of KV blocks in use. A replica without the free blocks the request's
-  uncached part needs would preempt to admit it, so it is skipped while another has room.
+- kv_pressure: the fraction of KV blocks in use (0 before the replica's first report: a replica
+  that has not reported is new). A replica without the free blocks the request's uncached part
+  needs would preempt to admit it, so it is skipped while another has room.
 
 Defaults and why: prefix_weight 1.0 and load_weight 0.5 mean a full hit beats an idle replica
 only while the holder carries less than about twice the others' load (a prefill saved is worth
@@ -165,8 +166,9 @@ class PrefixAware(Policy):
             return self._least_loaded(table, np.arange(len(table)))
         hit = table.hit_column(hits)
         # A replica that cannot hold the request's uncached blocks would preempt to admit it.
-        # Usually every replica can: then the columns are scored as they are, not copied.
-        rows = np.flatnonzero(table.free >= blocks_needed - hit)
+        # Usually every replica can: then the columns are scored as they are, not copied. One
+        # whose capacity is not known yet (no report: total 0) is not excluded.
+        rows = np.flatnonzero((table.free >= blocks_needed - hit) | (table.total == 0))
         if rows.size in (0, len(table)):
             rows = None
         load, total, free = loads, table.total, table.free
@@ -174,8 +176,11 @@ class PrefixAware(Policy):
             load, total, free, hit = load[rows], total[rows], free[rows], hit[rows]
         max_load = max(high, 1)
         hit_fraction = hit / num_blocks if num_blocks else 0.0
-        # 1 - free / total where the total is known, else 1 (full: capacity unknown).
-        kv_pressure = np.where(total > 0, 1.0 - free / np.maximum(total, 1), 1.0)
+        # 1 - free / total where the total is known, else 0: a replica that has not reported yet
+        # is new, so empty. Scoring it as full, with the room check above excluding it, once put
+        # 16 of a burst of 30 on the one of 3 replicas that had reported, until the imbalance
+        # threshold let the others in.
+        kv_pressure = np.where(total > 0, 1.0 - free / np.maximum(total, 1), 0.0)
         score = (self.config.prefix_weight * hit_fraction - self.config.load_weight * load / max_load
                  - self.config.kv_weight * kv_pressure)
         best = np.flatnonzero(score >= score.max() - 1e-12)

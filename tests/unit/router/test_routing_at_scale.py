@@ -20,12 +20,13 @@ def reference_prefix_aware(config: RouterConfig, rng: random.Random, replicas, h
     if max(loads) - min(loads) > config.imbalance_threshold:
         low = min(loads)
         return rng.choice([r.replica_id for r in replicas if r.load == low])
-    roomy = [r for r in replicas if r.num_free_kv_blocks >= blocks_needed - hits.get(r.replica_id, 0)]
+    roomy = [r for r in replicas
+             if r.num_free_kv_blocks >= blocks_needed - hits.get(r.replica_id, 0) or not r.num_total_kv_blocks]
     max_load = max(max(loads), 1)
     best, best_score = [], float("-inf")
     for r in roomy or replicas:
         hit_fraction = hits.get(r.replica_id, 0) / num_blocks if num_blocks else 0.0
-        kv_pressure = 1.0 - r.num_free_kv_blocks / r.num_total_kv_blocks if r.num_total_kv_blocks else 1.0
+        kv_pressure = 1.0 - r.num_free_kv_blocks / r.num_total_kv_blocks if r.num_total_kv_blocks else 0.0
         score = (config.prefix_weight * hit_fraction - config.load_weight * r.load / max_load
                  - config.kv_weight * kv_pressure)
         if score > best_score + 1e-12:

@@ -182,3 +182,15 @@ def test_deltas_in_the_routing_stats_reach_the_index_even_with_no_decision_to_re
     request = GenerateRequest(list(range(16)) * 10, SamplingParams(max_tokens=2),
                               block_hashes=[1000 + i for i in range(10)])
     assert ids(choose(router, [holder, other], request))[0] == ["holder"]
+
+
+def test_replicas_that_have_not_reported_yet_take_their_share_of_a_burst():
+    """Capacity unknown is not capacity full: a burst while two of three replicas have no report
+    yet once put 16 of 30 on the third (CI), each held back until the imbalance threshold."""
+    router = make_router("prefix_aware")
+    fresh = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=u), routing_stats={}) for u in "bc"]
+    replicas = [replica("a"), *fresh]
+    chosen = [ids(asyncio.run(router.choose_replicas(
+        replicas, pending(GenerateRequest(list(range(40)), SamplingParams(max_tokens=4)), f"r{i}"))))[0][0]
+        for i in range(30)]
+    assert sorted(chosen.count(r) for r in "abc") == [10, 10, 10], chosen
