@@ -66,7 +66,7 @@ class PrefixAwareRouter(RequestRouter):
         # overwrites it with the replica's count at that moment, which leaves out the requests
         # still on their way there and those whose finish has not reached the router yet (then
         # decremented again), so under a burst on a loaded machine it undercounts a slow replica
-        # and piles work onto it (16 of 30 on one of 3 replicas in a CI run).
+        # and piles work onto it (tests/integration/test_router_bookkeeping.py replays it).
         self._dispatches: dict[str, _Dispatch] = {}
         self._routed: Counter[str] = Counter()  # replica id -> this router's requests it took
         self._unrouted: Counter[str] = Counter()  # replica id -> choices not confirmed yet
