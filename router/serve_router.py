@@ -70,7 +70,7 @@ class PrefixAwareRouter(RequestRouter):
         self._dispatches: dict[str, _Dispatch] = {}
         self._routed: Counter[str] = Counter()  # replica id -> this router's requests it took
         self._unrouted: Counter[str] = Counter()  # replica id -> choices not confirmed yet
-        self._unrouted_ids: dict[str, float] = {}  # request id -> time chosen, oldest first
+        self._unrouted_ids: dict[str, None] = {}  # their request ids, oldest choice first
         # replica id -> this router's routed count when the replica's last report arrived: the
         # report's queued + running beyond it are other callers' requests.
         self._routed_at_report: dict[str, int] = {}
@@ -145,15 +145,15 @@ class PrefixAwareRouter(RequestRouter):
             self._dispatches[request_id] = dispatch
             (self._routed if dispatch.routed else self._unrouted)[dispatch.replica_id] += 1
             if not dispatch.routed:
-                self._unrouted_ids[request_id] = dispatch.chosen_s
+                self._unrouted_ids[request_id] = None
 
     def _expire_unrouted(self, now_s: float) -> None:
         """Drops choices Serve never confirmed within UNROUTED_TTL_S (oldest first: every
         choice is inserted anew, so the order is the order of the choices)."""
         unrouted = self._unrouted_ids
         while unrouted:
-            request_id, chosen_s = next(iter(unrouted.items()))
-            if chosen_s >= now_s - UNROUTED_TTL_S:
+            request_id = next(iter(unrouted))
+            if self._dispatches[request_id].chosen_s >= now_s - UNROUTED_TTL_S:
                 break
             self._track(request_id, None)
 
