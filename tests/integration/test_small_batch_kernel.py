@@ -78,3 +78,22 @@ def test_a_layer_in_one_call_gives_the_bits_of_its_calls_from_python(smollm2_dir
     assert fused_tokens == call_tokens
     assert len(fused_logits) == len(call_logits) > 0
     assert all(torch.equal(a, b) for a, b in zip(fused_logits, call_logits))
+
+
+@pytest.mark.parametrize("panels_on_amx, cpu_amx, rows", [(True, True, 128), (False, True, 4), (False, False, 128)])
+def test_bfloat16_panels_take_up_to_128_rows_unless_onednn_alone_has_amx(monkeypatch, panels_on_amx, cpu_amx, rows):
+    """Where oneDNN multiplies on AMX tiles and our panels cannot, it wins past 4 rows; where no one
+    has AMX both use dpbf16ps, and the panels' one-call layers win up to 128 (float32: always 128)."""
+    monkeypatch.setattr(ops, "panel_amx", lambda: panels_on_amx)
+    monkeypatch.setattr(ops, "cpu_has_amx", lambda: cpu_amx)
+    assert ops.panel_max_rows(torch.bfloat16) == rows
+    assert ops.panel_max_rows(torch.float32) == 128
+
+
+def test_amx_is_read_from_the_cpus_flags_and_assumed_where_unknown(tmp_path):
+    zen4, sapphire = tmp_path / "zen4", tmp_path / "spr"
+    zen4.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 avx512_vnni\n")
+    sapphire.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert ops.cpu_has_amx(str(zen4)) is False
+    assert ops.cpu_has_amx(str(sapphire)) is True
+    assert ops.cpu_has_amx(str(tmp_path / "absent")) is True

@@ -37,7 +37,14 @@ PANEL = 16
 # 6.3 against our 10.3 ms in bfloat16. Without AMX, bfloat16 goes through dpbf16ps, which that CPU
 # issues about once in two cycles: the 120 matrices at 4 / 8 rows took 10.6 / 14.3 ms against
 # oneDNN's (AMX) 11.8 / 11.8, so 4 (a CPU without AMX has none for oneDNN either: a lower bound).
+# That 4 holds where oneDNN has AMX and our panels do not (built without it, or not permitted). On a
+# CPU without AMX, oneDNN multiplies bfloat16 with dpbf16ps too: a 2-core AMD EPYC (Zen 4) VM timed
+# the two alone within 5% of each other from 16 to 128 rows (a matrix in cache), and the panels'
+# whole decode step, which runs each layer in one call, won at every size: 8 / 16 / 32 / 64 rows
+# 13.8 / 18.5 / 30.1 / 53.7 ms against oneDNN's 19.8 / 25.5 / 38.5 / 61.3 (docs/benchmarks.md, eighth
+# pass). There the bound is 128, as with AMX.
 _FASTER_UP_TO = {(torch.bfloat16, True): 128, (torch.bfloat16, False): 4, (torch.float32, False): 128}
+_WITHOUT_AMX_ANYWHERE = 128
 
 
 @functools.cache
@@ -197,7 +204,24 @@ def panel_amx() -> bool:
 
 def panel_max_rows(dtype: torch.dtype) -> int:
     """Up to how many rows `panel_linear` is the faster matmul for this dtype on this machine."""
-    return _FASTER_UP_TO.get((dtype, dtype == torch.bfloat16 and panel_amx()), 0)
+    amx = dtype == torch.bfloat16 and panel_amx()
+    if dtype == torch.bfloat16 and not amx and not cpu_has_amx():
+        return _WITHOUT_AMX_ANYWHERE
+    return _FASTER_UP_TO.get((dtype, amx), 0)
+
+
+@functools.cache
+def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU has AMX for bfloat16 (so oneDNN may multiply on tiles); True where unknown,
+    which keeps the bound that assumes oneDNN the faster."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_bf16" in line.split()
+    except OSError:
+        pass
+    return True
 
 
 def _pair(dtype: torch.dtype) -> int:
