@@ -74,10 +74,12 @@ def install() -> list[Any]:
 
 def install_in_ingress() -> bool:
     """Install the guard in this ingress replica's process when Serve's direct ingress has it
-    serve HTTP itself (no proxy in front of it); True if it did."""
+    serve HTTP itself with nothing in front of it; True if it did. Behind HAProxy (Serve's HAProxy
+    mode) clients reach HAProxy only, and HAProxy enforces these limits
+    (deployments/local_ray.py, haproxy_template)."""
     from ray.serve._private import constants
 
-    if not constants.RAY_SERVE_ENABLE_DIRECT_INGRESS:
+    if not constants.RAY_SERVE_ENABLE_DIRECT_INGRESS or constants.RAY_SERVE_ENABLE_HA_PROXY:
         return False
     install()
     return True

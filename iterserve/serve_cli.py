@@ -28,10 +28,11 @@ def add_parser(sub: Any) -> None:
                        help='EngineConfig fields as JSON, e.g. \'{"max_num_seqs": 64, "device": "cuda"}\'')
     serve.add_argument("--num-gpus-per-replica", type=float, default=0.0)
     serve.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard")
-    serve.add_argument("--serving-path", choices=("proxy", "direct"), default="proxy",
-                       help="proxy (default): Serve's HTTP proxy on --port; direct: the ingress replica listens on "
-                            "--port itself (Ray Serve's direct ingress: one hop less per token, but an ingress "
-                            "replica that dies is replaced on another port; deployments/local_ray.py)")
+    serve.add_argument("--serving-path", choices=("haproxy", "proxy", "direct"), default="haproxy",
+                       help="haproxy (default): HAProxy on --port in front of ingress replicas that serve HTTP "
+                            "themselves (Ray Serve's HAProxy mode: no Python proxy on the token path); proxy: Serve's "
+                            "HTTP proxy on --port; direct: the ingress replica listens on --port itself, with no one in "
+                            "front (an ingress replica that dies is replaced on another port). deployments/local_ray.py")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,11 +62,13 @@ def run(args: argparse.Namespace) -> int:
                               "engine_args": engine_args, "llm_server_actor_options": actor_options})
     print(f"iterserve: starting Ray and {args.replicas} replica(s)", flush=True)
     started_s = time.monotonic()
-    from deployments.local_ray import free_port, init_local_ray
+    from deployments.local_ray import DIRECT_INGRESS_PORTS, free_port, free_port_range, init_local_ray
 
     direct = args.serving_path == "direct"
-    init_local_ray(args.serving_path, args.port if direct else None, include_dashboard=args.dashboard,
-                   log_to_driver=True)
+    # HAProxy takes --port; the ingress replicas behind it listen on a free range clients never see.
+    ingress_port = (args.port if direct else
+                    free_port_range(DIRECT_INGRESS_PORTS, host=args.host) if args.serving_path == "haproxy" else None)
+    init_local_ray(args.serving_path, ingress_port, include_dashboard=args.dashboard, log_to_driver=True)
     import ray
     from ray import serve
 
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_port_free(host: str, port: int) -> None:
     """A clear error now, not a server that comes up elsewhere: direct ingress moves to the next
-    port when its own is taken."""
+    port when its own is taken, and HAProxy would fail to bind it after Ray has started."""
     from deployments.local_ray import port_error
 
     error = port_error(host, port)

@@ -1,7 +1,7 @@
 """What the serving path costs a token: the engine alone against the served system, side by side.
 
     python -m loadtest.benchmarks.bench_serving_path [--quick] [--model PATH] [--served process,thread]
-                                          [--serving-path direct,proxy] [--peer vllm] [--profile] [--out DIR]
+                                          [--serving-path haproxy,proxy,direct] [--peer vllm] [--profile] [--out DIR]
 
 One run, on the same requests (random prompt tokens, a fixed output length, EOS ignored):
 
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from deployments.local_ray import SERVING_PATHS
+from deployments.local_ray import DEFAULT_SERVING_PATH, SERVING_PATHS
 from loadtest import workloads as wl
 from loadtest.bench_cli import summary_line, token_pool
 from loadtest.client import ClientConfig, run_load
@@ -89,10 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated: 'process' (the engine loop in a process of its own, the default "
                         "deployment) and/or 'thread' (the engine loop in a thread of the replica's process, "
                         "EngineConfig.engine_process false), each served and measured in turn")
-    p.add_argument("--serving-path", default="proxy",
-                   help="comma-separated: 'proxy' (Serve's HTTP proxy in front of the ingress, as `iterserve serve` "
-                        "runs by default) and/or 'direct' (the ingress replica serves HTTP itself); with --served, "
-                        "every combination is served and measured in turn")
+    p.add_argument("--serving-path", default=DEFAULT_SERVING_PATH,
+                   help="comma-separated: 'haproxy' (HAProxy in front of ingress replicas that serve HTTP "
+                        "themselves, as `iterserve serve` runs by default), 'proxy' (Serve's HTTP proxy in front of "
+                        "the ingress) and/or 'direct' (the ingress replica serves HTTP itself, no one in front); "
+                        "with --served, every combination is served and measured in turn")
     p.add_argument("--peer", choices=("vllm",), default=None,
                    help="also serve the same checkpoint with vLLM's CPU build (installed once into its own "
                         "environment under the model cache) and drive it with the same client and requests")

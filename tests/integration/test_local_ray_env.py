@@ -25,3 +25,31 @@ def test_serves_control_loop_is_slowed_for_a_shared_machine_unless_the_environme
         monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", preset)
     local_ray.init_local_ray("proxy")
     assert started and os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == expected
+    local_ray.restore_environment()
+
+
+def test_each_start_takes_its_own_environment_and_leaves_none_behind(monkeypatch):
+    """A process that starts Ray several times (the tests do, some with plain ray.init) gets each
+    start's serving path and limits, not an earlier one's; a value the user set is kept; and
+    restore_environment puts back what was there."""
+    import ray
+
+    from deployments import http_guard, local_ray
+
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    names = [*local_ray.SHARED_MACHINE_ENV, *local_ray.LOOPBACK_ENV, *serving_path_env("haproxy", 8000),
+             *local_ray.haproxy_env(), "ITERSERVE_HTTP_HEADER_TIMEOUT_S", http_guard.CALLBACK_ENV]
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_NBTHREAD", "3")
+    local_ray.init_local_ray("haproxy", 8000)
+    assert os.environ["RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"] == "30"
+    assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    local_ray.restore_environment()
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ and "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S" not in os.environ
+    assert os.environ["RAY_SERVE_HAPROXY_NBTHREAD"] == "3"
+    monkeypatch.setenv("ITERSERVE_HTTP_HEADER_TIMEOUT_S", "2")
+    local_ray.init_local_ray("haproxy", 8000)
+    assert os.environ["RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"] == "6"
+    assert os.environ["RAY_SERVE_HAPROXY_NBTHREAD"] == "3"
+    local_ray.restore_environment()

@@ -59,9 +59,9 @@ def test_serving_paths_are_checked_and_each_combination_gets_its_own_prefix():
 
     args = parse_args(["--served", "process,thread", "--serving-path", "proxy,direct"])
     assert args.serving_path == ["proxy", "direct"]
-    assert parse_args([]).serving_path == ["proxy"]
+    assert parse_args([]).serving_path == ["haproxy"]
     labels = [served_label(args, mode, path) for mode in args.served for path in args.serving_path]
     assert labels == ["", "direct", "thread", "thread_direct"]
-    for bad in ("", "direct,direct", "haproxy"):
+    for bad in ("", "direct,direct", "nginx"):
         with pytest.raises(SystemExit):
             parse_args(["--serving-path", bad])
