@@ -1,4 +1,5 @@
-"""init_local_ray's Serve settings for a machine whose cores the engine shares (ray.init faked)."""
+"""init_local_ray's Serve settings for a machine whose cores the engine shares (ray.init faked), and
+its edits to Serve's HAProxy template."""
 
 from __future__ import annotations
 
@@ -53,3 +54,19 @@ def test_each_start_takes_its_own_environment_and_leaves_none_behind(monkeypatch
     assert os.environ["RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"] == "6"
     assert os.environ["RAY_SERVE_HAPROXY_NBTHREAD"] == "3"
     local_ray.restore_environment()
+
+
+def test_haproxys_listeners_go_on_loopback_and_it_closes_idle_and_slow_connections():
+    """Serve's template binds HAProxy's stats page and exporter to every interface and leaves a
+    connection that never completes a request open for an hour; the edited one does neither."""
+    from ray.serve._private.haproxy_templates import HAPROXY_CONFIG_TEMPLATE
+
+    from deployments.local_ray import haproxy_template
+
+    edited = haproxy_template(HAPROXY_CONFIG_TEMPLATE, header_timeout_s=2.5)
+    binds = [line.strip()[len("bind "):] for line in edited.splitlines() if line.strip().startswith("bind ")]
+    assert binds and all(b.startswith(("127.0.0.1:", "{{ config.frontend_host }}", "{{ config.grpc_frontend_host }}"))
+                         for b in binds), binds
+    assert "timeout http-request 2500ms" in edited and "timeout http-keep-alive 2500ms" in edited
+    with pytest.raises(ValueError, match="changed"):  # a template that lacks a line to edit is refused
+        haproxy_template(HAPROXY_CONFIG_TEMPLATE.replace("bind *:", "bind 0.0.0.0:"), header_timeout_s=2.5)

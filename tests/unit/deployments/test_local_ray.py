@@ -1,5 +1,5 @@
-"""The serving paths' Serve settings, the port range the direct and HAProxy ones need, and the edits
-to Serve's HAProxy template (no Ray started)."""
+"""The serving paths' Serve settings and the port range the direct and HAProxy ones need (no Ray
+started; the edits to Serve's HAProxy template are tested in tests/integration/test_local_ray_env.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from deployments.local_ray import DIRECT_INGRESS_PORTS, free_port_range, haproxy_template, serving_path_env
+from deployments.local_ray import DIRECT_INGRESS_PORTS, free_port_range, serving_path_env
 
 
 def test_direct_ingress_listens_on_the_given_port_first():
@@ -34,20 +34,6 @@ def test_the_proxy_path_turns_off_what_the_others_turn_on():
     assert set(proxy) <= set(direct) <= set(haproxy)
     assert proxy == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
                      "RAY_SERVE_ENABLE_HA_PROXY": "0"}
-
-
-def test_haproxys_listeners_go_on_loopback_and_it_closes_idle_and_slow_connections():
-    """Serve's template binds HAProxy's stats page and exporter to every interface and leaves a
-    connection that never completes a request open for an hour; the edited one does neither."""
-    from ray.serve._private.haproxy_templates import HAPROXY_CONFIG_TEMPLATE
-
-    edited = haproxy_template(HAPROXY_CONFIG_TEMPLATE, header_timeout_s=2.5)
-    binds = [line.strip()[len("bind "):] for line in edited.splitlines() if line.strip().startswith("bind ")]
-    assert binds and all(b.startswith(("127.0.0.1:", "{{ config.frontend_host }}", "{{ config.grpc_frontend_host }}"))
-                         for b in binds), binds
-    assert "timeout http-request 2500ms" in edited and "timeout http-keep-alive 2500ms" in edited
-    with pytest.raises(ValueError, match="changed"):  # a template that lacks a line to edit is refused
-        haproxy_template(HAPROXY_CONFIG_TEMPLATE.replace("bind *:", "bind 0.0.0.0:"), header_timeout_s=2.5)
 
 
 @pytest.mark.parametrize("path, port", [("direct", None), ("direct", 0), ("direct", 65535), ("haproxy", None),
