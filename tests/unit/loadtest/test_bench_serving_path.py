@@ -59,7 +59,7 @@ def test_serving_paths_are_checked_and_each_combination_gets_its_own_prefix():
 
     args = parse_args(["--served", "process,thread", "--serving-path", "proxy,direct"])
     assert args.serving_path == ["proxy", "direct"]
-    assert parse_args([]).serving_path == ["haproxy"]
+    assert parse_args([]).serving_path == ["proxy"]
     labels = [served_label(args, mode, path) for mode in args.served for path in args.serving_path]
     assert labels == ["", "direct", "thread", "thread_direct"]
     for bad in ("", "direct,direct", "nginx"):
