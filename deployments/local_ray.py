@@ -143,9 +143,10 @@ def serving_path_env(path: str, http_port: int | None = None) -> dict[str, str]:
 # after it froze (fall 2, the second check 250 ms after the first failed), not 10 s; and a client
 # that neither sends nor reads for three header deadlines is closed (Serve's `timeout client` is an
 # hour: a client that stopped halfway through its body kept its connection after the ingress's
-# 408). HAProxy arms that timer only while it waits on the client, never while a reply is computed. The ports of its stats page, its Prometheus
-# exporter and Serve's fallback proxy are fixed in Serve (8404, 9101, 8500); init_local_ray picks
-# free ones instead, so that two local servers, or a test beside a server, do not collide.
+# 408). HAProxy arms that timer only while it waits on the client, never while a reply is
+# computed. The ports of its stats page, its Prometheus exporter and Serve's fallback proxy are
+# fixed in Serve (8404, 9101, 8500); free ones instead, so that two local servers, or a test beside
+# a server, do not collide.
 def haproxy_env() -> dict[str, str]:
     from deployments import http_guard
 

@@ -152,28 +152,16 @@ def decode_step_s(engine: LLMEngine, batch: int, args: argparse.Namespace) -> tu
     return statistics.median(t for t, _ in times), statistics.median(h for _, h in times)
 
 
-_read_rates: list[float] = []
-
-
-def _best_read_gb_s(measured: float) -> float:
-    _read_rates.append(measured)
-    return max(_read_rates)
-
-
 def measure(path: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     engine = LLMEngine(EngineConfig(model=path, dtype=dtype, num_threads=args.threads, enable_prefix_caching=False,
                                     max_num_batched_tokens=max(args.prefill_tokens, max(args.batch_sizes) * 32),
                                     max_num_seqs=max(args.batch_sizes)))
     torch.set_num_threads(args.threads)
-    # The best read rate of this run so far (main puts the run's best in every floor at the end): one
-    # probe alone read 34 or 61 GB/s on the same 2-core AMD VM, which moved the floor 2x between dtypes.
-    bandwidth = _best_read_gb_s(read_gb_s())
-    floor_ms = decode_read_bytes(engine) / bandwidth / 1e6
     matmul = matmul_gflops(DTYPES[dtype])
     prefill = prefill_tokens_per_s(engine, args)
     result: dict[str, Any] = {
-        "read_gb_s": bandwidth, "decode_read_mb": decode_read_bytes(engine) / 1e6,
-        "decode_floor_ms": floor_ms, "matmul_gflops": matmul, "prefill_tokens_per_s": prefill,
+        "read_gb_s": read_gb_s(), "decode_read_mb": decode_read_bytes(engine) / 1e6,
+        "decode_floor_ms": None, "matmul_gflops": matmul, "prefill_tokens_per_s": prefill,
         "prefill_gflops": prefill * 2 * matmul_weight_count(engine) / 1e9}
     result["prefill_fraction_of_matmul"] = result["prefill_gflops"] / matmul
     for batch in args.batch_sizes:
@@ -183,7 +171,7 @@ def measure(path: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
         result[f"host_ms_batch_{batch}"] = host_s * 1000
         result[f"host_share_batch_{batch}"] = host_s / step_s
     if 1 in args.batch_sizes:
-        result["decode_step_over_floor_batch_1"] = result["decode_step_ms_batch_1"] / floor_ms
+        result["decode_step_over_floor_batch_1"] = None  # main's, from the run's best read rate
         if 8 in args.batch_sizes:
             result["decode_step_batch_8_over_batch_1"] = (result["decode_step_ms_batch_8"]
                                                           / result["decode_step_ms_batch_1"])
@@ -193,10 +181,12 @@ def measure(path: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     path = resolve_model(args.model)
-    _best_read_gb_s(read_gb_s())  # once before either dtype, so that both floors use the best rate
+    first_probe = read_gb_s()
     results = {dtype: measure(path, dtype, args) for dtype in args.dtypes}
-    best = max(_read_rates)
-    for result in results.values():  # every floor from the best rate of the whole run
+    # Every floor from the best read rate of the run: one probe alone read 34 or 61 GB/s on the same
+    # 2-core AMD VM, which moved the floor 2x between dtypes when each took its own.
+    best = max([first_probe, *(r["read_gb_s"] for r in results.values())])
+    for result in results.values():
         result["read_gb_s"] = best
         result["decode_floor_ms"] = result["decode_read_mb"] / best  # MB / (GB/s) = ms
         if "decode_step_over_floor_batch_1" in result:

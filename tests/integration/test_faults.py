@@ -383,18 +383,19 @@ def test_no_request_is_lost_when_the_ingress_dies_or_freezes(app, client, fault)
 
 def _ingress_pid() -> int:
     """The process of this module's one ingress replica (Ray titles it after the replica)."""
-    found = [pid for pid, name, _ in _processes() if name.startswith(f"ray::ServeReplica:{APP}:OpenAIIngress")]
+    found = [pid for pid, name in _processes() if name.startswith(f"ray::ServeReplica:{APP}:OpenAIIngress")]
     assert len(found) == 1, found
     return found[0]
 
 
-def _processes() -> list[tuple[int, str, None]]:
+def _processes() -> list[tuple[int, str]]:
+    """(pid, command line) of every process we may read, from /proc."""
     out = []
     for pid in (p for p in os.listdir("/proc") if p.isdigit()):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                out.append((int(pid), f.read().replace(b"\0", b" ").decode(errors="replace"), None))
-        except OSError:
+                out.append((int(pid), f.read().replace(b"\0", b" ").decode(errors="replace")))
+        except OSError:  # the process ended, or is not ours to read
             continue
     return out
 
@@ -452,10 +453,8 @@ def _listening_sockets() -> list[tuple[int, str, str]]:
                 if fields[3] == "0A":  # LISTEN
                     inodes[fields[9]] = _address(fields[1], v6)
     found = []
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+    for pid, name in _processes():
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                name = f.read().replace(b"\0", b" ").decode(errors="replace")
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 link = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if link.startswith("socket:[") and link[8:-1] in inodes:
