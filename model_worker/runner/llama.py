@@ -367,7 +367,7 @@ class LlamaDecoder:
         prepared by the CPU attention backend (its decode rows and token slots are what the kernel
         reads; the backend can be swapped after load, as tests swap it)."""
         return (self._small_layers is not None and hidden.shape[0] <= self.small_rows and hidden.dtype == self.dtype
-                and isinstance(attn_metadata, CpuAttentionMetadata) and not attn_metadata.prefills
+                and isinstance(attn_metadata, CpuAttentionMetadata) and attn_metadata.prefill.token_starts.shape[0] == 0
                 and attn_metadata.decode.token_rows.shape[0] == hidden.shape[0])
 
     def _kernels(self, dtype: torch.dtype) -> bool:

@@ -103,6 +103,107 @@ def test_decode_attention_refuses_indices_out_of_range():
         ops.decode_attention(q.bfloat16(), k_cache, v_cache, rows, out, 0.125)
 
 
+def paged_prefill_case(chunks: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
+                       block_size: int, dtype: torch.dtype, seed: int = 0):
+    """Prompt chunks (start position, query tokens) of sequences whose blocks lie in a random order,
+    every position up to each chunk's end already in the caches, the chunks' queries packed one
+    after another."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-(start + length) // block_size) for start, length in chunks]
+    num_blocks = sum(blocks_per_seq) + 2
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = np.full((len(chunks), max(blocks_per_seq) + 1), -1, dtype=np.int64)  # padded, as the engine's are
+    for seq, count in enumerate(blocks_per_seq):
+        tables[seq, :count] = [order.pop() for _ in range(count)]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+    lens = np.array([length for _, length in chunks], dtype=np.int64)
+    q = torch.randn(int(lens.sum()), num_heads, head_dim, generator=generator).to(dtype)
+    rows = ops.PrefillRows.of(np.concatenate([[0], np.cumsum(lens)[:-1]]), lens,
+                              np.array([start for start, _ in chunks]), tables, block_size)
+    return q, k_cache, v_cache, rows, tables
+
+
+def sdpa_prefill(q, k_cache, v_cache, chunks, tables, scale):
+    """Each chunk by SDPA over its sequence's gathered context, masked causally from its start."""
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    outs, token = [], 0
+    for seq, (start, length) in enumerate(chunks):
+        positions = torch.arange(start + length)
+        slots = torch.from_numpy(tables[seq])[positions // block_size] * block_size + positions % block_size
+        k, v = (cache.flatten(0, 1)[slots].double().repeat_interleave(group, 1).transpose(0, 1)
+                for cache in (k_cache, v_cache))
+        mask = positions[None, :] <= (start + torch.arange(length))[:, None]
+        outs.append(F.scaled_dot_product_attention(q[token:token + length].double().transpose(0, 1), k, v,
+                                                   attn_mask=mask, scale=scale).transpose(0, 1))
+        token += length
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, chunks", [
+    (9, 3, 64, [(0, 256)]),  # SmolLM2's heads, one whole prompt
+    (9, 3, 64, [(0, 37), (300, 200), (16, 5)]),  # chunks that continue a sequence, past a 256-key chunk
+    (4, 2, 16, [(7, 70), (0, 2)]),  # positions that do not start a block
+    (8, 8, 32, [(0, 600)]),  # no grouping; three chunks of keys
+    (4, 1, 128, [(100, 33)]),  # Llama-3's head size, one kv head
+])
+def test_prefill_attention_matches_sdpa_over_the_paged_cache(dtype, atol, num_heads, num_kv_heads, head_dim,
+                                                             chunks):
+    q, k_cache, v_cache, rows, tables = paged_prefill_case(chunks, num_heads, num_kv_heads, head_dim, 16, dtype)
+    if not ops.prefill_attention(q, k_cache, v_cache, rows, out := torch.empty_like(q), head_dim ** -0.5):
+        pytest.skip("prefill_attention's fast path needs AVX-512")
+    expected = sdpa_prefill(q, k_cache, v_cache, chunks, tables, head_dim ** -0.5)
+    # float32: the order of the sums; bfloat16: the inputs are exact, one rounding of the result.
+    torch.testing.assert_close(out.double(), expected.to(dtype).double(), atol=atol, rtol=0)
+
+
+def test_prefill_attention_reads_and_writes_token_rows_through_their_strides():
+    chunks = [(0, 20), (16, 9)]
+    q, k_cache, v_cache, rows, tables = paged_prefill_case(chunks, 9, 3, 64, 16, torch.float32)
+    qkv = torch.randn(29, 15, 64)
+    qkv[:, :9] = q
+    out = torch.full((29, 12, 64), 7.0)
+    if not ops.prefill_attention(qkv[:, :9], k_cache, v_cache, rows, out[:, 2:11], 0.125):
+        pytest.skip("prefill_attention's fast path needs AVX-512")
+    torch.testing.assert_close(out[:, 2:11].double(), sdpa_prefill(q, k_cache, v_cache, chunks, tables, 0.125),
+                               atol=1e-5, rtol=0)
+    assert torch.all(out[:, :2] == 7.0) and torch.all(out[:, 11:] == 7.0)
+
+
+def test_prefill_attention_declines_head_sizes_without_a_fast_path_and_writes_nothing():
+    q, k_cache, v_cache, rows, _ = paged_prefill_case([(0, 40)], 4, 4, 24, 16, torch.float32)
+    out = torch.full_like(q, 7.0)
+    assert ops.prefill_attention(q, k_cache, v_cache, rows, out, 0.2) is False
+    assert torch.all(out == 7.0)
+
+
+def test_prefill_attention_refuses_indices_out_of_range():
+    q, k_cache, v_cache, rows, tables = paged_prefill_case([(0, 20), (16, 9)], 9, 3, 64, 16, torch.float32)
+    out = torch.empty_like(q)
+    starts, lens = np.array([0, 20]), np.array([20, 9])
+    with pytest.raises(ValueError, match="negative"):
+        ops.PrefillRows.of(np.array([0, -1]), lens, np.array([0, 16]), tables, 16)
+    with pytest.raises(ValueError, match="negative"):
+        ops.PrefillRows.of(starts, np.array([20, 0]), np.array([0, 16]), tables, 16)
+    with pytest.raises(ValueError, match="context length"):
+        ops.PrefillRows.of(starts, lens, np.array([0, 4000]), tables, 16)
+    holes = tables.copy()
+    holes[1, 0] = -1  # a block the chunk reads that was never given
+    with pytest.raises(ValueError, match="negative"):
+        ops.PrefillRows.of(starts, lens, np.array([0, 16]), holes, 16)
+    beyond = tables.copy()
+    beyond[1, 0] = k_cache.shape[0]  # one past the last block
+    with pytest.raises(ValueError, match="out of range"):
+        ops.prefill_attention(q, k_cache, v_cache, ops.PrefillRows.of(starts, lens, np.array([0, 16]), beyond, 16),
+                              out, 0.125)
+    with pytest.raises(ValueError, match="out of range"):  # more query rows than q holds
+        ops.prefill_attention(q, k_cache, v_cache, ops.PrefillRows.of(np.array([0, 21]), lens, np.array([0, 16]),
+                                                                      tables, 16), out, 0.125)
+    with pytest.raises(ValueError, match="dtypes"):
+        ops.prefill_attention(q.bfloat16(), k_cache, v_cache, rows, out, 0.125)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, width", [(1, 576), (300, 576), (3, 33)])
 def test_rms_norm_is_transformers_formula(dtype, rows, width):
@@ -243,10 +344,14 @@ def test_sample_gives_a_rows_first_nan_and_refuses_bad_calls():
         ops.sample(x.t(), torch.ones(100), torch.arange(100, dtype=torch.int64))
 
 
-def test_cpu_backend_gives_the_torch_backends_attention_on_a_mixed_step():
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [
+    (9, 3, 64),  # prefill_attention's fast path (on AVX-512)
+    (4, 2, 24),  # a head size it declines: SDPA for the chunks
+])
+def test_cpu_backend_gives_the_torch_backends_attention_on_a_mixed_step(num_heads, num_kv_heads, head_dim):
     """Prefill chunks (one starting its sequence, one continuing it) beside decodes; each backend
     writes the step's K/V into its own copy of the caches first."""
-    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    block_size = 16
     query_lens, start_positions = np.array([1, 20, 1, 7]), np.array([30, 0, 5, 16])
     block_tables = np.array([[3, 4], [5, 6], [7, 0], [8, 9]])
     query_starts = np.concatenate([[0], np.cumsum(query_lens)])

@@ -1,11 +1,14 @@
-"""The CPU backend: decode attention by our kernel over the paged cache in place, prefill by SDPA.
+"""The CPU backend: attention by our kernels over the paged cache in place.
 
 A decode row (one query token) is computed by `decode_attention` (model_worker/runner/cpu_kernels/),
 which reads each sequence's K/V blocks where they lie: no gathered copy of the context per layer,
 no padding to the longest context of a group, one call per layer for every decode row of the step.
-Prefill chunks run as in the torch backend (one SDPA each, over their own K/V or their gathered
-context). The kernels are built for this CPU on first use; where they cannot be, the selector
-keeps the torch backend.
+Prompt chunks are computed by `prefill_attention`, one call per layer for every chunk of the step,
+also reading the cache through the block tables; it is about twice as fast as torch's flash SDPA
+on SmolLM2's heads (docs/benchmarks.md, ninth pass). Where that kernel has no fast path (a CPU
+without AVX-512, a head size other than 16, 32, 64 or 128) the chunks run as in the torch
+backend: one SDPA each. The kernels are built for this CPU on first use; where they cannot be, the
+selector keeps the torch backend.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ class CpuAttentionMetadata:
     slot_mapping: torch.Tensor  # (T,)
     tokens: ops.TokenSlots  # each token's position and slot, for forward_qkv
     decode: ops.DecodeRows
-    prefills: list[PrefillChunk]
+    prefill: ops.PrefillRows  # the step's prompt chunks, for prefill_attention
+    layout: StepLayout
+    # The same chunks for SDPA, made on the first layer whose chunks prefill_attention declines.
+    sdpa_chunks: list[PrefillChunk] | None = None
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -40,12 +46,15 @@ class CpuAttentionBackend(AttentionBackend):
         rows = np.flatnonzero(layout.query_lens == 1)
         decode = ops.DecodeRows.of(layout.query_starts[rows], layout.block_tables[rows], layout.context_lens[rows],
                                    layout.block_size)
+        chunks = np.flatnonzero(layout.query_lens > 1)
+        prefill = ops.PrefillRows.of(layout.query_starts[chunks], layout.query_lens[chunks],
+                                     layout.start_positions[chunks], layout.block_tables[chunks], layout.block_size)
         # Token t of sequence s sits at position start_positions[s] + (t - query_starts[s]).
         offsets = np.repeat(layout.query_starts[:-1] - layout.start_positions, layout.query_lens)
         positions = np.arange(len(offsets), dtype=np.int64) - offsets
         return CpuAttentionMetadata(slot_mapping=torch.from_numpy(layout.slot_mapping),
                                     tokens=ops.TokenSlots.of(positions, layout.slot_mapping),
-                                    decode=decode, prefills=prefill_chunks(layout, device))
+                                    decode=decode, prefill=prefill, layout=layout)
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: CpuAttentionMetadata, scale):
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
@@ -67,6 +76,9 @@ class CpuAttentionBackend(AttentionBackend):
         """Attention over K/V already in the cache (and in k, v for a prompt's first chunk)."""
         out = torch.empty(q.shape, dtype=q.dtype)
         ops.decode_attention(q, k_cache, v_cache, metadata.decode, out, scale)
-        for chunk in metadata.prefills:
-            out[chunk.token_start:chunk.token_end] = prefill_attention(q, k, v, k_cache, v_cache, chunk, scale)
+        if not ops.prefill_attention(q, k_cache, v_cache, metadata.prefill, out, scale):
+            if metadata.sdpa_chunks is None:
+                metadata.sdpa_chunks = prefill_chunks(metadata.layout, q.device)
+            for chunk in metadata.sdpa_chunks:
+                out[chunk.token_start:chunk.token_end] = prefill_attention(q, k, v, k_cache, v_cache, chunk, scale)
         return out

@@ -62,12 +62,13 @@ def kernels() -> ctypes.CDLL | None:
                   "sample_rows": [_P, _I, _I, _I, _P, _P, _P],
                   "silu_and_mul": [_P, _I, _P, _I, _I],
                   "panel_linear": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I],
+                  "prefill_attention": [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _F],
                   "small_layer": [_P, _P, _I, _I, _I, _F, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P,
                                   _I, _F, _I, _P]}
     for name, argtypes in signatures.items():
         for suffix in _SUFFIX.values():
             function = getattr(library, f"{name}_{suffix}")
-            function.restype = ctypes.c_int if name in ("panel_linear", "small_layer") else None
+            function.restype = ctypes.c_int if name in ("panel_linear", "small_layer", "prefill_attention") else None
             function.argtypes = argtypes
     library.panel_amx.restype = ctypes.c_int
     library.panel_amx.argtypes = []
@@ -109,6 +110,46 @@ class DecodeRows:
             max_token_row, max_block_id = int(token_rows.max()), int(block_tables.max())
         return cls(torch.from_numpy(token_rows), torch.from_numpy(block_tables), torch.from_numpy(context_lens),
                    max_token_row, max_block_id, block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRows:
+    """The prompt chunks of a step (sequences with more than one query token) for
+    `prefill_attention`, checked once per step: token_starts, query_lens and starts (N,) int64,
+    block_tables (N, max_blocks) int64, contiguous."""
+
+    token_starts: torch.Tensor
+    query_lens: torch.Tensor
+    starts: torch.Tensor
+    block_tables: torch.Tensor
+    # Bounds every call checks against q's and the cache's shapes (-1 with no chunks).
+    max_token_end: int
+    max_block_id: int
+    block_size: int
+
+    @classmethod
+    def of(cls, token_starts: np.ndarray, query_lens: np.ndarray, starts: np.ndarray, block_tables: np.ndarray,
+           block_size: int) -> "PrefillRows":
+        """Raises ValueError for a negative index or length, or a context its block table cannot hold."""
+        token_starts, query_lens, starts = (np.ascontiguousarray(a, dtype=np.int64)
+                                            for a in (token_starts, query_lens, starts))
+        num_rows = len(token_starts)
+        _check(block_tables.ndim == 2 and block_tables.shape[0] == num_rows == len(query_lens) == len(starts),
+               "index shapes do not match")
+        max_token_end = max_block_id = -1
+        if num_rows:
+            # Only the blocks each context needs: the rest of a padded table is never read.
+            context_lens = starts + query_lens
+            _check(token_starts.min() >= 0 and starts.min() >= 0 and query_lens.min() >= 1, "negative index")
+            _check(context_lens.max() <= block_tables.shape[1] * block_size, "context length out of range")
+            width = int(-(-context_lens.max() // block_size))
+            block_tables = block_tables[:, :width]
+            needed = np.arange(width)[None, :] < -(-context_lens[:, None] // block_size)
+            _check(bool((block_tables[needed] >= 0).all()), "negative index")
+            max_token_end, max_block_id = int((token_starts + query_lens).max()), int(block_tables[needed].max())
+        block_tables = np.ascontiguousarray(block_tables, dtype=np.int64)
+        return cls(torch.from_numpy(token_starts), torch.from_numpy(query_lens), torch.from_numpy(starts),
+                   torch.from_numpy(block_tables), max_token_end, max_block_id, block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,6 +472,38 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), rows.token_rows.data_ptr(),
         rows.block_tables.data_ptr(), rows.block_tables.stride(0), rows.context_lens.data_ptr(), out.data_ptr(),
         out.stride(0), num_rows, num_heads, num_kv_heads, head_dim, block_size, float(scale), SPLIT_LEN)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: PrefillRows,
+                      out: torch.Tensor, scale: float) -> bool:
+    """out[token_starts[i] + t] = causal attention of q[token_starts[i] + t], at position starts[i] + t,
+    over positions [0, starts[i] + t] of the sequence whose blocks are block_tables[i], for every
+    chunk i of `rows` and t < query_lens[i]. False, with nothing written, where the kernel is not
+    built for this CPU or head_dim (the caller keeps SDPA then).
+
+    q, out: (T, num_heads, head_dim), each token row contiguous; k_cache, v_cache: (num_blocks,
+    block_size, num_kv_heads, head_dim) contiguous, holding every position the chunks read.
+    """
+    library = _library()
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    _check(q.dtype in _SUFFIX and q.dtype == k_cache.dtype == v_cache.dtype == out.dtype, "dtypes differ")
+    _check(q.device.type == k_cache.device.type == v_cache.device.type == out.device.type == "cpu",
+           "every tensor must be on the CPU")
+    _check(q.stride(2) == 1 and q.stride(1) == head_dim, "q's token rows must be contiguous")
+    _check(out.shape == q.shape and out.stride(2) == 1 and out.stride(1) == head_dim, "out must match q")
+    _check(k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape,
+           "caches must be contiguous and alike")
+    _check(num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim, "head shapes do not match")
+    _check(rows.max_token_end <= num_tokens and rows.max_block_id < num_blocks and rows.block_size == block_size,
+           "a row or block id out of range")
+    num_rows = rows.token_starts.shape[0]
+    if num_rows == 0:
+        return True
+    return bool(getattr(library, f"prefill_attention_{_SUFFIX[q.dtype]}")(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), rows.token_starts.data_ptr(),
+        rows.query_lens.data_ptr(), rows.starts.data_ptr(), rows.block_tables.data_ptr(), rows.block_tables.stride(0),
+        num_rows, out.data_ptr(), out.stride(0), num_heads, num_kv_heads, head_dim, block_size, float(scale)))
 
 
 def _library() -> ctypes.CDLL:
