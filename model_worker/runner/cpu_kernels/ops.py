@@ -455,14 +455,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     library = _library()
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    _check(q.dtype in _SUFFIX and q.dtype == k_cache.dtype == v_cache.dtype == out.dtype, "dtypes differ")
-    _check(q.device.type == k_cache.device.type == v_cache.device.type == out.device.type == "cpu",
-           "every tensor must be on the CPU")
-    _check(q.stride(2) == 1 and q.stride(1) == head_dim, "q's token rows must be contiguous")
-    _check(out.shape == q.shape and out.stride(2) == 1 and out.stride(1) == head_dim, "out must match q")
-    _check(k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape,
-           "caches must be contiguous and alike")
-    _check(num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim, "head shapes do not match")
+    _check_attention_tensors(q, k_cache, v_cache, out)
     _check(rows.max_token_row < num_tokens and rows.max_block_id < num_blocks and rows.block_size == block_size,
            "a row or block id out of range")
     num_rows = rows.token_rows.shape[0]
@@ -487,14 +480,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     library = _library()
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    _check(q.dtype in _SUFFIX and q.dtype == k_cache.dtype == v_cache.dtype == out.dtype, "dtypes differ")
-    _check(q.device.type == k_cache.device.type == v_cache.device.type == out.device.type == "cpu",
-           "every tensor must be on the CPU")
-    _check(q.stride(2) == 1 and q.stride(1) == head_dim, "q's token rows must be contiguous")
-    _check(out.shape == q.shape and out.stride(2) == 1 and out.stride(1) == head_dim, "out must match q")
-    _check(k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape,
-           "caches must be contiguous and alike")
-    _check(num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim, "head shapes do not match")
+    _check_attention_tensors(q, k_cache, v_cache, out)
     _check(rows.max_token_end <= num_tokens and rows.max_block_id < num_blocks and rows.block_size == block_size,
            "a row or block id out of range")
     num_rows = rows.token_starts.shape[0]
@@ -504,6 +490,21 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), rows.token_starts.data_ptr(),
         rows.query_lens.data_ptr(), rows.starts.data_ptr(), rows.block_tables.data_ptr(), rows.block_tables.stride(0),
         num_rows, out.data_ptr(), out.stride(0), num_heads, num_kv_heads, head_dim, block_size, float(scale)))
+
+
+def _check_attention_tensors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             out: torch.Tensor) -> None:
+    """What decode_attention and prefill_attention both need of their tensors' dtypes and layouts."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    _check(q.dtype in _SUFFIX and q.dtype == k_cache.dtype == v_cache.dtype == out.dtype, "dtypes differ")
+    _check(q.device.type == k_cache.device.type == v_cache.device.type == out.device.type == "cpu",
+           "every tensor must be on the CPU")
+    _check(q.stride(2) == 1 and q.stride(1) == head_dim, "q's token rows must be contiguous")
+    _check(out.shape == q.shape and out.stride(2) == 1 and out.stride(1) == head_dim, "out must match q")
+    _check(k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape,
+           "caches must be contiguous and alike")
+    _check(num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim, "head shapes do not match")
 
 
 def _library() -> ctypes.CDLL:
