@@ -312,7 +312,8 @@ class LlamaDecoder:
         if self._runs_small_layers(hidden, attn_metadata):
             hidden = cpu_ops.small_layers(hidden, self._small_layers, kv_caches, attn_metadata.tokens,
                                           attn_metadata.decode, self.cos_table32, self.sin_table32,
-                                          self.spec.num_heads, self.spec.rms_norm_eps, self.scale)
+                                          self.spec.num_heads, self.spec.rms_norm_eps, self.scale,
+                                          attn_metadata.prefill)
         else:
             for layer, (k_cache, v_cache) in zip(weights.layers, kv_caches):
                 hidden = self._layer(layer, hidden, cos, sin, k_cache, v_cache, attn_metadata)
@@ -363,12 +364,18 @@ class LlamaDecoder:
         return self._residual_linear(self._silu_and_mul(gate_up), weights.down_proj, None, hidden, linear, linear_add)
 
     def _runs_small_layers(self, hidden: torch.Tensor, attn_metadata: Any) -> bool:
-        """A decode-only step of at most small_rows rows, the residual stream in the model dtype,
-        prepared by the CPU attention backend (its decode rows and token slots are what the kernel
-        reads; the backend can be swapped after load, as tests swap it)."""
-        return (self._small_layers is not None and hidden.shape[0] <= self.small_rows and hidden.dtype == self.dtype
-                and isinstance(attn_metadata, CpuAttentionMetadata) and attn_metadata.prefill.token_starts.shape[0] == 0
-                and attn_metadata.decode.token_rows.shape[0] == hidden.shape[0])
+        """A step of at most small_rows rows, the residual stream in the model dtype, prepared by
+        the CPU attention backend (its decode rows, prompt chunks and token slots are what the
+        kernel reads; the backend can be swapped after load, as tests swap it). Prompt chunks too
+        where prefill_attention runs this head size (else SDPA takes them, from Python)."""
+        if not (self._small_layers is not None and hidden.shape[0] <= self.small_rows and hidden.dtype == self.dtype
+                and isinstance(attn_metadata, CpuAttentionMetadata)):
+            return False
+        prefill = attn_metadata.prefill
+        if prefill.token_starts.shape[0] == 0:
+            return attn_metadata.decode.token_rows.shape[0] == hidden.shape[0]
+        return (cpu_ops.prefill_attention_built(self.spec.head_dim)
+                and attn_metadata.decode.token_rows.shape[0] + int(prefill.query_lens.sum()) == hidden.shape[0])
 
     def _kernels(self, dtype: torch.dtype) -> bool:
         """Whether our CPU kernels take this dtype's elementwise work: with the CPU attention backend."""

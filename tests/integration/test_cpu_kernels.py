@@ -487,3 +487,41 @@ def test_small_layers_refuses_what_would_read_out_of_bounds():
     with pytest.raises(ValueError, match="decode row"):
         ops.small_layers(x, [layer], caches, tokens, ops.DecodeRows.of(np.array([0, 1]), np.array([[0], [4]]),
                          np.array([3, 5]), 16), cos, sin, num_heads, 1e-5, 0.3)
+
+
+def test_small_layers_takes_prompt_chunks_beside_decode_rows_and_refuses_bad_ones():
+    if not (ops.has_panel_linear(torch.float32) and ops.prefill_attention_built(16)):
+        pytest.skip("panel_linear and prefill_attention need AVX-512")
+    hidden, intermediate, num_heads, num_kv_heads, head_dim = 32, 48, 4, 2, 16
+    qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
+    norm = torch.ones(hidden)
+    panels = ops.pack_panels
+    layer = ops.SmallLayer.of(norm, panels(torch.randn(qkv_width, hidden)), None,
+                              panels(torch.randn(hidden, num_heads * head_dim)), None, norm,
+                              panels(torch.randn(2 * intermediate, hidden)), panels(torch.randn(hidden, intermediate)))
+    caches = [(torch.zeros(4, 16, num_kv_heads, head_dim), torch.zeros(4, 16, num_kv_heads, head_dim))]
+    cos = sin = torch.ones(64, head_dim)
+    # Token 0 decodes at position 4 of block 0; tokens 1-3 are a prompt chunk at positions 2-4 of block 1.
+    rows = ops.DecodeRows.of(np.array([0]), np.array([[0]]), np.array([5]), 16)
+    chunks = ops.PrefillRows.of(np.array([1]), np.array([3]), np.array([2]), np.array([[1]]), 16)
+    tokens = ops.TokenSlots.of(np.array([4, 2, 3, 4]), np.array([4, 18, 19, 20]))
+    x = torch.randn(4, hidden)
+    out = ops.small_layers(x, [layer], caches, tokens, rows, cos, sin, num_heads, 1e-5, 0.3, chunks)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="decode row or a prompt token"):  # the chunk has 2 tokens, the step 3 more
+        ops.small_layers(x, [layer], caches, tokens, rows, cos, sin, num_heads, 1e-5, 0.3,
+                         ops.PrefillRows.of(np.array([1]), np.array([2]), np.array([2]), np.array([[1]]), 16))
+    with pytest.raises(ValueError, match="prompt chunk out of range"):  # tokens 2-4 of a 4-token step
+        ops.small_layers(x, [layer], caches, tokens, ops.DecodeRows.of(np.array([1]), np.array([[0]]), np.array([5]),
+                         16), cos, sin, num_heads, 1e-5, 0.3,
+                         ops.PrefillRows.of(np.array([2]), np.array([3]), np.array([2]), np.array([[1]]), 16))
+    with pytest.raises(ValueError, match="prompt chunk out of range"):  # block 4 of a 4-block cache
+        ops.small_layers(x, [layer], caches, tokens, rows, cos, sin, num_heads, 1e-5, 0.3,
+                         ops.PrefillRows.of(np.array([1]), np.array([3]), np.array([2]), np.array([[4]]), 16))
+    narrow = ops.SmallLayer.of(torch.ones(hidden), panels(torch.randn(64, hidden)), None,
+                               panels(torch.randn(hidden, 32)), None, torch.ones(hidden),
+                               panels(torch.randn(2 * intermediate, hidden)), panels(torch.randn(hidden, intermediate)))
+    narrow_caches = [(torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8))]
+    with pytest.raises(ValueError, match="prefill_attention for head_dim 8"):  # no fast path: SDPA's, from Python
+        ops.small_layers(x, [narrow], narrow_caches, tokens, rows, torch.ones(64, 8), torch.ones(64, 8), 4, 1e-5,
+                         0.3, chunks)

@@ -50,9 +50,27 @@ def test_few_row_steps_give_the_packed_matmuls_text_and_run_the_kernel(smollm2_d
     assert {1, 3} <= set(calls)  # 3 rows for the decodes of the batch of three, 1 for the lone request
 
 
+def greedy_with_a_late_prompt(engine: LLMEngine, tokenizer, max_tokens: int = 12) -> dict[str, list[int]]:
+    """Two requests, and a third added after three steps: its prompt joins their decodes in one
+    step (a mixed step: decode rows and a prompt chunk)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i, text in enumerate(PROMPTS[:2]):
+        engine.add_request(f"early-{i}", tokenizer.encode(text), params)
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished():
+        if steps == 3:
+            engine.add_request("late", tokenizer.encode(PROMPTS[2]), params)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        steps += 1
+    return tokens
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_layer_in_one_call_gives_the_bits_of_its_calls_from_python(smollm2_dir, monkeypatch, dtype):
-    """Greedy tokens, and the logits of every step, of a lone request and of three at once."""
+    """Greedy tokens, and the logits of every step, of a lone request, of three at once and of a
+    prompt that joins two running decodes: decode-only steps, prompt-only steps and mixed ones."""
     if not ops.has_panel_linear(getattr(torch, dtype)):
         pytest.skip(f"panel_linear does not run {dtype} here")
     engine = LLMEngine(EngineConfig(model=smollm2_dir, dtype=dtype, num_kv_blocks=64))
@@ -69,11 +87,17 @@ def test_a_layer_in_one_call_gives_the_bits_of_its_calls_from_python(smollm2_dir
     results = {}
     for name, layers in (("fused", fused), ("calls", None)):
         decoder._small_layers = layers
+        engine.reset_prefix_cache()
         logits.clear()
         results[name] = (greedy(engine, runner.tokenizer, PROMPTS) | {"alone": greedy(engine, runner.tokenizer,
-                                                                                      PROMPTS[:1])["0"]},
+                                                                                      PROMPTS[:1])["0"]}
+                         | greedy_with_a_late_prompt(engine, runner.tokenizer),
                          [t.clone() for t in logits])
-    assert set(layered) == {1, 3}
+    prompt_lens = [len(runner.tokenizer.encode(text)) for text in PROMPTS]
+    # Decode steps of 1, 2 and 3 rows; the three prompts in one step, one alone, two in one step,
+    # and the late prompt beside the two decodes.
+    assert {1, 2, 3, sum(prompt_lens), prompt_lens[0], prompt_lens[0] + prompt_lens[1],
+            prompt_lens[2] + 2} <= set(layered)
     (fused_tokens, fused_logits), (call_tokens, call_logits) = results["fused"], results["calls"]
     assert fused_tokens == call_tokens
     assert len(fused_logits) == len(call_logits) > 0

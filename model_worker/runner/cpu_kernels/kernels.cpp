@@ -969,6 +969,33 @@ bool panel_linear(const T*, int64_t, int64_t, const T*, int64_t, int64_t, const 
 // each function above; `scratch` holds rows * (hidden + qkv_width + q_width + hidden + 2 *
 // intermediate + intermediate) elements; the matrices packed in panels. False where panel_linear is not
 // built.
+// A step's prompt chunks, as prefill_attention takes them (num_seqs 0: none).
+struct PromptChunks {
+  const int64_t* token_starts;
+  const int64_t* query_lens;
+  const int64_t* starts;
+  const int64_t* block_tables;
+  int64_t block_table_stride;
+  int64_t num_seqs;
+};
+
+// Whether prefill_attention has its fast path for this head size in this build (where it has none
+// it writes nothing and returns false).
+inline bool prefill_attention_built(int64_t head_dim) {
+#if defined(__AVX512F__)
+  return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+template <typename T>
+bool prefill_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* token_starts,
+                       const int64_t* query_lens, const int64_t* starts, const int64_t* block_tables,
+                       int64_t block_table_stride, int64_t num_seqs, T* out, int64_t out_stride, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale);
+
 template <typename T>
 struct LayerWeightsPtrs {
   const T* input_norm;
@@ -986,7 +1013,10 @@ bool small_layer(const T* hidden, T* out, int64_t rows, int64_t hidden_size, int
                  const LayerWeightsPtrs<T>& w, const int64_t* positions, const float* cos, const float* sin,
                  const int64_t* slots, T* k_cache, T* v_cache, int64_t num_heads, int64_t num_kv_heads,
                  int64_t head_dim, const int64_t* token_rows, const int64_t* block_tables, int64_t block_table_stride,
-                 const int64_t* context_lens, int64_t block_size, float scale, int64_t split_len, T* scratch) {
+                 const int64_t* context_lens, int64_t num_decode_rows, const PromptChunks& chunks, int64_t block_size,
+                 float scale, int64_t split_len, T* scratch) {
+  // Checked before anything is written: a layer must not stop halfway.
+  if (chunks.num_seqs > 0 && !prefill_attention_built(head_dim)) return false;
   const int64_t q_width = num_heads * head_dim, qkv_width = q_width + 2 * num_kv_heads * head_dim;
   T* normed = scratch;
   T* qkv = normed + rows * hidden_size;
@@ -1000,9 +1030,15 @@ bool small_layer(const T* hidden, T* out, int64_t rows, int64_t hidden_size, int
     return false;
   rotary_and_cache(qkv, qkv_width, positions, cos, sin, slots, k_cache, v_cache, rows, num_heads, num_kv_heads,
                    head_dim);
-  decode_attention(static_cast<const T*>(qkv), qkv_width, static_cast<const T*>(k_cache),
-                   static_cast<const T*>(v_cache), token_rows, block_tables, block_table_stride, context_lens, attn,
-                   q_width, rows, num_heads, num_kv_heads, head_dim, block_size, scale, split_len);
+  if (num_decode_rows > 0)
+    decode_attention(static_cast<const T*>(qkv), qkv_width, static_cast<const T*>(k_cache),
+                     static_cast<const T*>(v_cache), token_rows, block_tables, block_table_stride, context_lens, attn,
+                     q_width, num_decode_rows, num_heads, num_kv_heads, head_dim, block_size, scale, split_len);
+  if (chunks.num_seqs > 0)
+    prefill_attention(static_cast<const T*>(qkv), qkv_width, static_cast<const T*>(k_cache),
+                      static_cast<const T*>(v_cache), chunks.token_starts, chunks.query_lens, chunks.starts,
+                      chunks.block_tables, chunks.block_table_stride, chunks.num_seqs, attn, q_width, num_heads,
+                      num_kv_heads, head_dim, block_size, scale);
   panel_linear(static_cast<const T*>(attn), q_width, rows, w.o, q_width, hidden_size, w.o_bias, hidden, hidden_size,
                mid, hidden_size);
   rms_norm(static_cast<const T*>(mid), hidden_size, w.post_norm, normed, rows, hidden_size, eps);
@@ -1298,13 +1334,21 @@ void decode_attention_bf16(const bf16* q, int64_t q_token_stride, const bf16* k_
                            const float* sin, const int64_t* slots, T* k_cache, T* v_cache, int64_t num_heads,       \
                            int64_t num_kv_heads, int64_t head_dim, const int64_t* token_rows,                      \
                            const int64_t* block_tables, int64_t block_table_stride, const int64_t* context_lens,    \
+                           int64_t num_decode_rows, const int64_t* chunk_token_starts,                              \
+                           const int64_t* chunk_query_lens, const int64_t* chunk_starts,                            \
+                           const int64_t* chunk_block_tables, int64_t chunk_block_table_stride, int64_t num_chunks, \
                            int64_t block_size, float scale, int64_t split_len, T* scratch) {                        \
     const LayerWeightsPtrs<T> w{weights[0], weights[1], weights[2], weights[3],                                     \
                                 weights[4], weights[5], weights[6], weights[7]};                                    \
+    const PromptChunks chunks{chunk_token_starts, chunk_query_lens, chunk_starts,                                   \
+                              chunk_block_tables, chunk_block_table_stride, num_chunks};                            \
     return small_layer(hidden, out, rows, hidden_size, intermediate, eps, w, positions, cos, sin, slots, k_cache,   \
                        v_cache, num_heads, num_kv_heads, head_dim, token_rows, block_tables, block_table_stride,    \
-                       context_lens, block_size, scale, split_len, scratch);                                        \
+                       context_lens, num_decode_rows, chunks, block_size, scale, split_len, scratch);              \
   }
+
+// Whether prefill_attention (and so small_layer with prompt chunks) runs this head size here.
+int prefill_attention_built_for(int64_t head_dim) { return prefill_attention_built(head_dim) ? 1 : 0; }
 
 // Whether bfloat16 panels go through AMX tiles: built for them and permitted by the OS.
 int panel_amx() {

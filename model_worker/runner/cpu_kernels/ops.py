@@ -26,6 +26,8 @@ _I = ctypes.c_int64
 _F = ctypes.c_float
 # Positions of one part of a decode row's context (kernels.cpp, decode_attention).
 SPLIT_LEN = 256
+# What an absent index array points at (the kernels read none of it).
+_EMPTY_INDEX = torch.zeros(1, dtype=torch.int64)
 # Output features per panel of a packed weight (kernels.cpp, panel_linear).
 PANEL = 16
 # Up to how many rows a step goes through the panel kernel rather than oneDNN's packed matmuls, by
@@ -64,7 +66,7 @@ def kernels() -> ctypes.CDLL | None:
                   "panel_linear": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I],
                   "prefill_attention": [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _F],
                   "small_layer": [_P, _P, _I, _I, _I, _F, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P,
-                                  _I, _F, _I, _P]}
+                                  _I, _P, _P, _P, _P, _I, _I, _I, _F, _I, _P]}
     for name, argtypes in signatures.items():
         for suffix in _SUFFIX.values():
             function = getattr(library, f"{name}_{suffix}")
@@ -72,6 +74,8 @@ def kernels() -> ctypes.CDLL | None:
             function.argtypes = argtypes
     library.panel_amx.restype = ctypes.c_int
     library.panel_amx.argtypes = []
+    library.prefill_attention_built_for.restype = ctypes.c_int
+    library.prefill_attention_built_for.argtypes = [_I]
     return library
 
 
@@ -237,6 +241,14 @@ def has_panel_linear(dtype: torch.dtype) -> bool:
 
 
 @functools.cache
+def prefill_attention_built(head_dim: int) -> bool:
+    """Whether `prefill_attention` has its fast path for this head size here, so that
+    `small_layers` takes steps with prompt chunks."""
+    library = kernels()
+    return library is not None and bool(library.prefill_attention_built_for(head_dim))
+
+
+@functools.cache
 def panel_amx() -> bool:
     """Whether bfloat16 panels go through AMX tiles here (built for them, and the OS lets this process use them)."""
     library = kernels()
@@ -373,10 +385,11 @@ class SmallLayer:
 
 def small_layers(hidden: torch.Tensor, layers: list[SmallLayer], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  tokens: TokenSlots, rows: DecodeRows, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                 eps: float, scale: float) -> torch.Tensor:
-    """Every layer over hidden (rows, hidden_size) for a decode-only step, token t being decode row
-    t (kernels.cpp, small_layer: what LlamaDecoder._packed_layer computes through panels, call for
-    call). Returns the last layer's output."""
+                 eps: float, scale: float, chunks: PrefillRows | None = None) -> torch.Tensor:
+    """Every layer over hidden (rows, hidden_size) for a step whose tokens are each either a
+    decode row of `rows` or a token of a prompt chunk of `chunks` (kernels.cpp, small_layer: what
+    LlamaDecoder._packed_layer computes through panels, call for call). Prompt chunks need
+    `prefill_attention_built(head_dim)`. Returns the last layer's output."""
     num_rows, hidden_size = hidden.shape
     first = layers[0]
     k_cache = kv_caches[0][0]
@@ -385,8 +398,19 @@ def small_layers(hidden: torch.Tensor, layers: list[SmallLayer], kv_caches: list
            and num_rows >= 1 and len(layers) == len(kv_caches), "bad small_layers arguments")
     _check(first.q_width == num_heads * head_dim and first.qkv_width == (num_heads + 2 * num_kv_heads) * head_dim
            and num_heads % num_kv_heads == 0, "head shapes do not match the layer")
-    _check(rows.token_rows.shape[0] == num_rows and rows.max_token_row < num_rows and rows.block_size == block_size
-           and rows.max_block_id < num_blocks, "every token must be a decode row within the caches")
+    num_chunks = 0 if chunks is None else chunks.token_starts.shape[0]
+    chunk_tokens = 0 if chunks is None else int(chunks.query_lens.sum())
+    _check(rows.token_rows.shape[0] + chunk_tokens == num_rows and rows.max_token_row < num_rows
+           and rows.block_size == block_size and rows.max_block_id < num_blocks,
+           "every token must be a decode row or a prompt token within the caches")
+    if num_chunks:
+        _check(chunks.max_token_end <= num_rows and chunks.block_size == block_size and chunks.max_block_id < num_blocks,
+               "a prompt chunk out of range")
+        _check(prefill_attention_built(head_dim), f"prompt chunks need prefill_attention for head_dim {head_dim}")
+    empty = _EMPTY_INDEX
+    chunk_args = ((chunks.token_starts.data_ptr(), chunks.query_lens.data_ptr(), chunks.starts.data_ptr(),
+                   chunks.block_tables.data_ptr(), chunks.block_tables.stride(0), num_chunks) if num_chunks
+                  else (empty.data_ptr(), empty.data_ptr(), empty.data_ptr(), empty.data_ptr(), 0, 0))
     _check(tokens.positions.shape[0] == num_rows and tokens.max_position < cos.shape[0]
            and tokens.max_slot < num_blocks * block_size and cos.dtype == sin.dtype == torch.float32
            and cos.shape == sin.shape and cos.shape[1] == head_dim and cos.is_contiguous() and sin.is_contiguous(),
@@ -405,7 +429,8 @@ def small_layers(hidden: torch.Tensor, layers: list[SmallLayer], kv_caches: list
                         float(eps), layer.pointers, tokens.positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                         tokens.slots.data_ptr(), k.data_ptr(), v.data_ptr(), num_heads, num_kv_heads, head_dim,
                         rows.token_rows.data_ptr(), rows.block_tables.data_ptr(), rows.block_tables.stride(0),
-                        rows.context_lens.data_ptr(), block_size, float(scale), SPLIT_LEN, scratch.data_ptr())
+                        rows.context_lens.data_ptr(), rows.token_rows.shape[0], *chunk_args, block_size,
+                        float(scale), SPLIT_LEN, scratch.data_ptr())
         _check(bool(done), "small_layer is not built for this CPU")
         # The input is never written: the first layer's is the caller's tensor.
         source, target = target, (spare if source is hidden else source)
