@@ -962,13 +962,6 @@ bool panel_linear(const T*, int64_t, int64_t, const T*, int64_t, int64_t, const 
 }
 #endif
 
-// One decoder layer of a decode-only step (llama.py, LlamaDecoder._packed_layer's panel path, the
-// same calls in the same order, so the same bits): RMSNorm, the q/k/v matmul, rotary embedding and
-// the cache write, decode attention, the o matmul and its residual, RMSNorm, gate/up, SiLU-times-up,
-// the down matmul and its residual. One call a layer instead of nine from Python. Tensors as in
-// each function above; `scratch` holds rows * (hidden + qkv_width + q_width + hidden + 2 *
-// intermediate + intermediate) elements; the matrices packed in panels. False where panel_linear is not
-// built.
 // A step's prompt chunks, as prefill_attention takes them (num_seqs 0: none).
 struct PromptChunks {
   const int64_t* token_starts;
@@ -980,7 +973,7 @@ struct PromptChunks {
 };
 
 // Whether prefill_attention has its fast path for this head size in this build (where it has none
-// it writes nothing and returns false).
+// it writes nothing and returns false): the cases of its switch, below.
 inline bool prefill_attention_built(int64_t head_dim) {
 #if defined(__AVX512F__)
   return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128;
@@ -1008,6 +1001,16 @@ struct LayerWeightsPtrs {
   const T* down;
 };
 
+// One decoder layer of a step of `rows` tokens, each either one of the num_decode_rows decode rows
+// (their tokens in token_rows) or a token of a prompt chunk of `chunks` (llama.py, LlamaDecoder._packed_layer's
+// panel path, the same calls in the same order, so the same bits): RMSNorm, the q/k/v matmul,
+// rotary embedding and the cache write, decode attention for the decode rows and prompt attention
+// for the chunks, the o matmul and its residual, RMSNorm, gate/up, SiLU-times-up, the down matmul
+// and its residual. One call a layer instead of nine from Python. Tensors as in each function
+// above; `scratch` holds rows * (hidden + qkv_width + q_width + hidden + 2 * intermediate +
+// intermediate) elements; the matrices packed in panels. False, with nothing written, where
+// panel_linear is not built or the step has chunks and prefill_attention has no fast path for
+// head_dim.
 template <typename T>
 bool small_layer(const T* hidden, T* out, int64_t rows, int64_t hidden_size, int64_t intermediate, float eps,
                  const LayerWeightsPtrs<T>& w, const int64_t* positions, const float* cos, const float* sin,
