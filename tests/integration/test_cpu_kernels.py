@@ -158,6 +158,49 @@ def test_prefill_attention_matches_sdpa_over_the_paged_cache(dtype, atol, num_he
     torch.testing.assert_close(out.double(), expected.to(dtype).double(), atol=atol, rtol=0)
 
 
+def bf16_error(out: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """Max and root-mean-square error of a bfloat16 result against a float64 one."""
+    diff = out.double() - expected
+    return diff.abs().max().item(), diff.pow(2).mean().sqrt().item()
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, chunks", [
+    (9, 3, 64, [(0, 256)]),
+    (9, 3, 64, [(0, 37), (300, 200), (16, 5)]),
+    (8, 2, 128, [(0, 300)]),
+])
+def test_bf16_attention_is_as_accurate_as_torch_bf16_sdpa(num_heads, num_kv_heads, head_dim, chunks):
+    """In bfloat16 the scores may be summed on bfloat16 pairs (dpbf16ps: exact products, float32
+    sums, the scale applied after): prompt and decode attention stay within the error of torch's
+    own bfloat16 SDPA against float64."""
+    scale = head_dim ** -0.5
+    q, k_cache, v_cache, rows, tables = paged_prefill_case(chunks, num_heads, num_kv_heads, head_dim, 16,
+                                                           torch.bfloat16, seed=3)
+    if not ops.prefill_attention(q, k_cache, v_cache, rows, out := torch.empty_like(q), scale):
+        pytest.skip("prefill_attention's fast path needs AVX-512")
+    expected = sdpa_prefill(q, k_cache, v_cache, chunks, tables, scale)
+    group, outs, token = num_heads // num_kv_heads, [], 0
+    for seq, (start, length) in enumerate(chunks):  # torch's SDPA in bfloat16, over the same gathered K/V
+        positions = torch.arange(start + length)
+        slots = torch.from_numpy(tables[seq])[positions // 16] * 16 + positions % 16
+        k, v = (cache.flatten(0, 1)[slots].repeat_interleave(group, 1).transpose(0, 1) for cache in (k_cache, v_cache))
+        mask = positions[None, :] <= (start + torch.arange(length))[:, None]
+        outs.append(F.scaled_dot_product_attention(q[token:token + length].transpose(0, 1), k, v, attn_mask=mask,
+                                                   scale=scale).transpose(0, 1))
+        token += length
+    ours, torchs = bf16_error(out, expected), bf16_error(torch.cat(outs), expected)
+    assert ours[0] <= torchs[0] * 1.1 and ours[1] <= torchs[1] * 1.1, (ours, torchs)
+
+    context_lens = [start + length for start, length in chunks]
+    q, k_cache, v_cache, layout = paged_decode_case(len(chunks), context_lens, num_heads, num_kv_heads, head_dim, 16,
+                                                    torch.bfloat16, seed=3)
+    decode_rows = ops.DecodeRows.of(layout.query_starts[:-1], layout.block_tables, layout.context_lens, 16)
+    ops.decode_attention(q, k_cache, v_cache, decode_rows, out := torch.empty_like(q), scale)
+    expected = torch_decode(q.double(), k_cache.double(), v_cache.double(), layout, scale)
+    ours, torchs = bf16_error(out, expected), bf16_error(torch_decode(q, k_cache, v_cache, layout, scale), expected)
+    assert ours[0] <= torchs[0] * 1.1 and ours[1] <= torchs[1] * 1.1, (ours, torchs)
+
+
 def test_prefill_attention_reads_and_writes_token_rows_through_their_strides():
     chunks = [(0, 20), (16, 9)]
     q, k_cache, v_cache, rows, tables = paged_prefill_case(chunks, 9, 3, 64, 16, torch.float32)
