@@ -434,6 +434,29 @@ def test_a_build_lands_by_rename_and_is_reused(tmp_path):
     assert [p.name for p in first.parent.iterdir() if p.name.startswith(".build-")] == []
 
 
+def test_kernels_from_runs_the_ops_on_another_build_inside_the_block_only():
+    here = ops.kernels()
+    with ops.kernels_from(build.SOURCE.read_bytes()) as other:
+        assert ops.kernels() is other and other is not here
+        q, k_cache, v_cache, layout = paged_decode_case(2, [20, 40], 9, 3, 64, 16, torch.float32)
+        rows = ops.DecodeRows.of(layout.query_starts[:-1], layout.block_tables, layout.context_lens, 16)
+        ops.decode_attention(q, k_cache, v_cache, rows, out := torch.empty_like(q), 0.125)
+    assert ops.kernels() is here
+    torch.testing.assert_close(out, torch_decode(q, k_cache, v_cache, layout, 0.125), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("source, reason", [
+    (b'extern "C" void nothing() {}\n', "lacks a function"),
+    (b"this is not C++\n", "failed"),
+])
+def test_kernels_from_refuses_a_source_that_does_not_build_or_lacks_a_function(source, reason):
+    here = ops.kernels()
+    with pytest.raises(build.KernelBuildError, match=reason):
+        with ops.kernels_from(source):
+            pass
+    assert ops.kernels() is here
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 40])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (16, 100), (80, 30), (49152, 64)])

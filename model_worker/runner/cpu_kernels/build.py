@@ -53,12 +53,13 @@ def _compiler_version(cxx: str) -> str:
         return "unknown"
 
 
-def library_path(cache_dir: str | None = None) -> Path:
-    """The built library, compiling it first if this machine has none yet; KernelBuildError if it cannot."""
+def library_path(cache_dir: str | None = None, source: bytes | None = None) -> Path:
+    """The built library, compiling it first if this machine has none yet; KernelBuildError if it cannot.
+    `source`: another kernels.cpp to build instead of this one (a benchmark's earlier commit)."""
     cxx = compiler()
     if cxx is None:
         raise KernelBuildError(f"no C++ compiler ({os.environ.get('CXX') or 'g++'}) on PATH")
-    source = SOURCE.read_bytes()
+    source = SOURCE.read_bytes() if source is None else source
     target_dir = cache_root(cache_dir) / "kernels" / build_key(cxx, source)
     target = target_dir / LIBRARY_NAME
     if target.is_file():
@@ -67,15 +68,17 @@ def library_path(cache_dir: str | None = None) -> Path:
     with open(target_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.is_file():  # another process may have built it while this one waited
-            _compile(cxx, target)
+            _compile(cxx, target, source)
     return target
 
 
-def _compile(cxx: str, target: Path) -> None:
+def _compile(cxx: str, target: Path, source: bytes) -> None:
     fd, staging = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
+    source_path = target.parent / "kernels.cpp"
     try:
-        result = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", staging], capture_output=True, text=True,
+        source_path.write_bytes(source)
+        result = subprocess.run([cxx, *FLAGS, str(source_path), "-o", staging], capture_output=True, text=True,
                                 timeout=COMPILE_TIMEOUT_S)
         if result.returncode != 0:
             raise KernelBuildError(f"{cxx} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
@@ -87,12 +90,13 @@ def _compile(cxx: str, target: Path) -> None:
             os.unlink(staging)
 
 
-def load_library(cache_dir: str | None = None) -> ctypes.CDLL:
-    """The kernels as a ctypes library. torch must be imported first: its OpenMP runtime is then the
-    libgomp.so.1 this library binds to, and the two share one thread team."""
+def load_library(cache_dir: str | None = None, source: bytes | None = None) -> ctypes.CDLL:
+    """The kernels as a ctypes library (of `source` where given, as library_path). torch must be
+    imported first: its OpenMP runtime is then the libgomp.so.1 this library binds to, and the two
+    share one thread team."""
     import torch  # noqa: F401  (loads torch's libgomp.so.1 before the library asks for it)
 
     try:
-        return ctypes.CDLL(str(library_path(cache_dir)))
+        return ctypes.CDLL(str(library_path(cache_dir, source)))
     except OSError as exc:
         raise KernelBuildError(f"the built kernels do not load: {exc}") from exc

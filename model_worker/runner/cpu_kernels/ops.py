@@ -8,9 +8,11 @@ a read out of bounds.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,14 +51,44 @@ _FASTER_UP_TO = {(torch.bfloat16, True): 128, (torch.bfloat16, False): 4, (torch
 _WITHOUT_AMX_ANYWHERE = 128
 
 
-@functools.cache
+# Libraries that `kernels_from` put in place of this checkout's, innermost last.
+_SWAPPED: list[ctypes.CDLL] = []
+
+
 def kernels() -> ctypes.CDLL | None:
     """The library, or None (logged once, with the reason) where it cannot be built or loaded."""
+    return _SWAPPED[-1] if _SWAPPED else _built_here()
+
+
+@functools.cache
+def _built_here() -> ctypes.CDLL | None:
     try:
-        library = load_library()
+        return _bind(load_library())
     except KernelBuildError as exc:
         logger.warning("CPU kernels unavailable, using the torch path: %s", exc)
         return None
+
+
+@contextlib.contextmanager
+def kernels_from(source: bytes) -> Iterator[ctypes.CDLL]:
+    """Within the block, every op runs on a library built from `source`, another kernels.cpp (an
+    earlier commit's): benchmarks time a change's kernels before and after in one process, on the
+    same tensors, interleaved. What is probed once per process (has_panel_linear, panel_amx, ...)
+    stays as first probed. KernelBuildError if that source does not build or lacks a function."""
+    library = load_library(source=source)
+    try:
+        _bind(library)
+    except AttributeError as exc:
+        raise KernelBuildError(f"that kernels.cpp lacks a function these ops call: {exc}") from None
+    _SWAPPED.append(library)
+    try:
+        yield library
+    finally:
+        _SWAPPED.pop()
+
+
+def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    """The library with every function's argument and result types set."""
     signatures = {"decode_attention": [_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I],
                   "rms_norm": [_P, _I, _P, _P, _I, _I, _F],
                   "rotary_and_cache": [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
