@@ -276,19 +276,27 @@ def peer_vllm(args: argparse.Namespace, burst: list[BenchRequest], light: list[B
     return runs
 
 
+def vllm_client_plan(args: argparse.Namespace) -> list[tuple[str, float | None, int, int]]:
+    """(run, rate, prompts, seed) of each vLLM client run: at --rate, then every prompt at once. The
+    two draw with different seeds: vLLM's random dataset draws prompt i alike for any prompt count
+    under one seed, so a burst with the light run's seed would begin with the light run's prompts,
+    and the server's prefix cache would serve them. Both servers get the same plan."""
+    return [("light", args.rate, args.rate_requests, args.seed), ("burst", None, args.num_requests, args.seed + 1)]
+
+
 def vllm_client_runs(args: argparse.Namespace, base_url: str, model_name: str, label: str) -> dict[str, dict[str, float]]:
-    """vLLM's own client against a running server: at --rate, and every request at once."""
+    """vLLM's own client against a running server, as vllm_client_plan says."""
     from loadtest.benchmarks.peer_vllm import ensure_vllm, run_vllm_client, vllm_client_argv
     from model_worker.checkpoints.models import resolve_model
 
     python, out = ensure_vllm(), args.out / "vllm_client"
     out.mkdir(parents=True, exist_ok=True)
     figures = {}
-    for run, rate, count in (("light", args.rate, args.rate_requests), ("burst", None, args.num_requests)):
+    for run, rate, count, seed in vllm_client_plan(args):
         name = f"{label}-{run}.json"
         argv = vllm_client_argv(python, base_url, model_name, resolve_model(args.model), input_len=args.prompt_tokens,
                                 output_len=args.output_tokens, num_prompts=count, rate=rate, result_dir=out,
-                                result_name=name, seed=args.seed)
+                                result_name=name, seed=seed)
         try:
             figures[run] = run_vllm_client(argv, out / name, out / f"{label}.log")
         except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the other figures of the run still count

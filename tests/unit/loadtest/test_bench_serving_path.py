@@ -65,3 +65,16 @@ def test_serving_paths_are_checked_and_each_combination_gets_its_own_prefix():
     for bad in ("", "direct,direct", "nginx"):
         with pytest.raises(SystemExit):
             parse_args(["--serving-path", bad])
+
+
+def test_vllms_client_draws_the_burst_apart_from_the_light_run():
+    """vLLM's random dataset draws prompt i alike for any prompt count under one seed: a burst drawn
+    with the light run's seed would begin with the light run's prompts, which the server's prefix
+    cache then holds (29 of 64 at 30 light requests, measured against `vllm bench serve` 0.32)."""
+    from loadtest.benchmarks.bench_serving_path import parse_args, vllm_client_plan
+
+    plan = vllm_client_plan(parse_args(["--peer", "vllm", "--vllm-client", "--rate", "0.5", "--rate-requests", "7",
+                                        "--num-requests", "9", "--seed", "3"]))
+    assert [(run, rate, count) for run, rate, count, _ in plan] == [("light", 0.5, 7), ("burst", None, 9)]
+    seeds = [seed for *_, seed in plan]
+    assert len(set(seeds)) == 2 and seeds[0] == 3
