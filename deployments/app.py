@@ -23,7 +23,7 @@ from deployments.app_config import AppArgs
 from deployments.frontend import OpenAIFrontend
 from deployments.handle_backend import HandleBackend
 from deployments.ingress_admission import IngressAdmission
-from deployments.llm_server import LLMServer
+from deployments.llm_server import MAX_STREAM_INTERVAL_S, STREAM_CHUNKS_PER_S, LLMServer
 from deployments.retry_policy import RetryPolicy
 
 LLM_SERVER = "LLMServer"
@@ -62,7 +62,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             request_routing_stats_timeout_s=max(5.0, 5 * app_args.routing_stats_period_s),
         ),
     ).bind(app_args.model, app_args.engine_args, app_args.served_model_name, app_args.admission,
-           app_args.stream_chunks_per_s)
+           app_args.stream_chunks_per_s, app_args.max_stream_interval_s)
     ingress = OpenAIIngress.options(
         num_replicas=app_args.ingress_replicas,
         ray_actor_options=app_args.ingress_actor_options,
@@ -78,10 +78,12 @@ class LLMServerDeployment(LLMServer):
     """LLMServer as a Serve replica: the replica id names it in metrics and routing stats."""
 
     def __init__(self, model: str | None, engine_args: dict[str, Any], served_model_name: str | None,
-                 admission: dict[str, Any], stream_chunks_per_s: float = 200.0) -> None:
+                 admission: dict[str, Any], stream_chunks_per_s: float = STREAM_CHUNKS_PER_S,
+                 max_stream_interval_s: float = MAX_STREAM_INTERVAL_S) -> None:
         replica_id = serve.get_replica_context().replica_id.unique_id
         super().__init__(model, engine_args, served_model_name=served_model_name, admission=admission,
-                         replica_id=replica_id, stream_chunks_per_s=stream_chunks_per_s)
+                         replica_id=replica_id, stream_chunks_per_s=stream_chunks_per_s,
+                         max_stream_interval_s=max_stream_interval_s)
 
 
 @serve.deployment(name=INGRESS)

@@ -71,6 +71,8 @@ class AppArgs:
     # Chunks per second each LLMServer replica streams over all its requests; beyond it a request's
     # tokens go out together (deployments/llm_server.py STREAM_CHUNKS_PER_S says why and how).
     stream_chunks_per_s: float = 50.0
+    # ... but no stream waits longer than this between chunks (MAX_STREAM_INTERVAL_S there).
+    max_stream_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.autoscaling is not None and self.num_replicas is not None:
@@ -84,7 +86,7 @@ class AppArgs:
                                                                  or self.max_queued_requests >= 1):
             raise ValueError(f"max_queued_requests must be -1 or >= 1, got {self.max_queued_requests!r}")
         for name in ("routing_stats_period_s", "drain_timeout_s", "health_check_period_s", "health_check_timeout_s",
-                     "request_body_timeout_s", "stream_chunks_per_s"):
+                     "request_body_timeout_s", "stream_chunks_per_s", "max_stream_interval_s"):
             value = getattr(self, name)
             if not (is_number(value) and value > 0):
                 raise ValueError(f"{name} must be > 0, got {value!r}")

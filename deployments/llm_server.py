@@ -60,6 +60,12 @@ ENGINE_HUNG_S = 30.0
 # on two cores, 16 streams served at 298 against 241 tok/s and one request at 1 req/s got its
 # tokens 30 against 34 ms apart (docs/benchmarks.md, 'Speed on the CPU against vLLM, third pass').
 STREAM_CHUNKS_PER_S = 50.0
+# Past the budget, still no stream waits longer than this between two chunks: with more than
+# budget x this many streams open, the replica sends more than its budget rather than let each
+# stream's text arrive in ever larger clumps (64 streams on the budget alone: one chunk of ~7
+# tokens every 1.28 s each). On two cores, 64 streams at once: ITL p50 1,295 -> 427 ms for 207 ->
+# 196 tok/s (docs/benchmarks.md, eleventh pass).
+MAX_STREAM_INTERVAL_S = 0.5
 
 
 class LLMServer:
@@ -68,9 +74,12 @@ class LLMServer:
                  engine: AsyncLLMEngine | None = None, replica_id: str | None = None,
                  clock: Callable[[], float] = time.monotonic, ttft_window_s: float = REPLICA_TTFT_WINDOW_S,
                  keepalive_interval_s: float = KEEPALIVE_INTERVAL_S, engine_stall_s: float = ENGINE_STALL_S,
-                 engine_hung_s: float = ENGINE_HUNG_S, stream_chunks_per_s: float = STREAM_CHUNKS_PER_S) -> None:
-        if not (isinstance(stream_chunks_per_s, (int, float)) and stream_chunks_per_s > 0):
-            raise ValueError(f"stream_chunks_per_s must be > 0, got {stream_chunks_per_s!r}")
+                 engine_hung_s: float = ENGINE_HUNG_S, stream_chunks_per_s: float = STREAM_CHUNKS_PER_S,
+                 max_stream_interval_s: float = MAX_STREAM_INTERVAL_S) -> None:
+        for name, value in (("stream_chunks_per_s", stream_chunks_per_s),
+                            ("max_stream_interval_s", max_stream_interval_s)):
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"{name} must be > 0, got {value!r}")
         # Seconds from here until the engine could serve, by part (weights, tokenizer, kv_cache)
         # and in total: what a new replica costs before it takes traffic.
         started_s = time.perf_counter()
@@ -98,6 +107,7 @@ class LLMServer:
         self.engine_stall_s = engine_stall_s
         self.engine_hung_s = engine_hung_s
         self.stream_chunks_per_s = float(stream_chunks_per_s)
+        self.max_stream_interval_s = float(max_stream_interval_s)
         self.num_open_streams = 0
         # This replica's own registry, never prometheus_client's global one: several replicas (and
         # tests) can share a process.
@@ -125,8 +135,9 @@ class LLMServer:
 
         Outputs go out as they come while this replica streams fewer than stream_chunks_per_s
         chunks a second; beyond that budget a request's outputs are folded together (`extend`)
-        and sent at most every num_open_streams / stream_chunks_per_s seconds, the first token and
-        the last chunk at once (STREAM_CHUNKS_PER_S says why)."""
+        and sent at most every num_open_streams / stream_chunks_per_s seconds (at most
+        max_stream_interval_s), the first token and the last chunk at once (STREAM_CHUNKS_PER_S
+        says why)."""
         admitted, stream = self._admit(request)
         self.num_open_streams += 1
         try:
@@ -170,8 +181,9 @@ class LLMServer:
             self.core.finished(admitted)
 
     def _stream_interval_s(self) -> float:
-        """How long a stream waits between two chunks: 0 within the budget, more beyond it."""
-        return self.num_open_streams / self.stream_chunks_per_s
+        """How long a stream waits between two chunks: 0 within the budget, more beyond it, never
+        more than max_stream_interval_s."""
+        return min(self.num_open_streams / self.stream_chunks_per_s, self.max_stream_interval_s)
 
     async def generate(self, request: GenerateRequest) -> GenerationChunk:
         """Run a request to the end and return it as one finished chunk."""

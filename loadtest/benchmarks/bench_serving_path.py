@@ -512,6 +512,8 @@ def served_figures(off: dict[str, Any], http: dict[str, Any], prefix: str = "") 
         "http_tokens_per_s": burst["output_throughput"],
         "http_burst_ttft_p50_ms": ms(burst["ttft_s"]["p50"]),
         "http_burst_tpot_p50_ms": ms(burst["tpot_s"]["p50"]),
+        # How often a loaded replica's streams get their tokens (the chunk budget folds them).
+        "http_burst_itl_p50_ms": ms(burst["itl_s"]["p50"]),
     }
     # The same requests seen by the replica's engine and by the HTTP client: what the path adds.
     for run, summary in (("light", light), ("burst", burst)):

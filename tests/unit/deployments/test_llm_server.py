@@ -289,14 +289,14 @@ def token_script(tokens: list[int], late_index: int | None = None, late_s: float
 
 
 def stream_chunks(tokens: list[int], stream_chunks_per_s: float, num_open_streams: int = 1,
-                  **script) -> list[tuple[float, list[int], bool]]:
+                  max_stream_interval_s: float = 60.0, **script) -> list[tuple[float, list[int], bool]]:
     """(clock time, token ids, finished) of each content chunk of one stream, while
     num_open_streams - 1 other streams are open and idle (admitted, waiting for tokens)."""
     clock = FakeClock(START_S)
     scripts = [[] for _ in range(num_open_streams - 1)] + [token_script(tokens, **script)]
     engine = ScriptedEngine(clock, scripts)
     server = LLMServer(engine=engine, served_model_name="m", replica_id="r0", clock=clock,
-                       stream_chunks_per_s=stream_chunks_per_s)
+                       stream_chunks_per_s=stream_chunks_per_s, max_stream_interval_s=max_stream_interval_s)
 
     async def main():
         held = [server.generate_stream(GenerateRequest([5, 6, 7], greedy_params(len(tokens))))
@@ -346,6 +346,14 @@ def test_beyond_the_chunk_budget_tokens_are_folded_but_first_and_last_are_not_he
                       (due(32), TOKENS[17:33], False), (due(39), TOKENS[33:], True)]
 
 
+def test_however_many_streams_are_open_none_waits_longer_than_the_longest_interval():
+    """16 open streams on a budget of 64 chunks/s would send every 1/4 s, 64 tokens' time; with
+    max_stream_interval_s 1/32 s a stream sends every 8 tokens' time, past the budget."""
+    chunks = stream_chunks(TOKENS[:20], stream_chunks_per_s=64, num_open_streams=16, max_stream_interval_s=1 / 32)
+    assert chunks == [(due(0), TOKENS[:1], False), (due(8), TOKENS[1:9], False), (due(16), TOKENS[9:17], False),
+                      (due(19), TOKENS[17:20], True)]
+
+
 def test_the_first_token_is_not_held_by_an_output_without_tokens_sent_just_before():
     chunks = stream_chunks(TOKENS[:3], stream_chunks_per_s=64, num_open_streams=4, progress_first=True)
     assert chunks == [(due(0), TOKENS[:1], False), (due(2), TOKENS[1:3], True)]
@@ -392,6 +400,9 @@ def test_the_chunk_budget_must_be_positive():
     try:
         with pytest.raises(ValueError, match="stream_chunks_per_s"):
             LLMServer(engine=engine, served_model_name="m", stream_chunks_per_s=0)
+        for bad in (0, -1.0, float("nan"), "1"):
+            with pytest.raises(ValueError, match="max_stream_interval_s"):
+                LLMServer(engine=engine, served_model_name="m", max_stream_interval_s=bad)
     finally:
         engine.shutdown()
 
