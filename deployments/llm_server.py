@@ -63,8 +63,8 @@ STREAM_CHUNKS_PER_S = 50.0
 # Past the budget, still no stream waits longer than this between two chunks: with more than
 # budget x this many streams open, the replica sends more than its budget rather than let each
 # stream's text arrive in ever larger clumps (64 streams on the budget alone: one chunk of ~7
-# tokens every 1.28 s each). On two cores, 64 streams at once: ITL p50 1,295 -> 427 ms for 207 ->
-# 196 tok/s (docs/benchmarks.md, eleventh pass).
+# tokens every 1.28 s each). On two cores, 64 streams at once, no cap against this one: ITL p50
+# 1,300 against 502 ms, 229 against 216 tok/s (docs/benchmarks.md, eleventh pass).
 MAX_STREAM_INTERVAL_S = 0.5
 
 
