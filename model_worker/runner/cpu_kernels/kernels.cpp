@@ -189,6 +189,7 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
                         int64_t block_size, const float* query, const T* raw_query, float scale, int64_t begin,
                         int64_t end, float* scores, float* row_max, float* denom, float* acc) {
   constexpr int64_t D = 16 * C;
+  constexpr bool pairs = kPairScores<T> && C % 2 == 0;
   const int64_t len = end - begin, slot_stride = num_kv_heads * D, num_heads = num_kv_heads * G;
   auto slot = [&](const T* cache, int64_t pos) {
     return cache + (blocks[pos / block_size] * block_size + pos % block_size) * slot_stride;
@@ -208,42 +209,36 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
     const int n = static_cast<int>(std::min<int64_t>(16, end - tile));
     const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xffffu : (1u << n) - 1u);
     for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-      __m512 dots[G][16];
-      if constexpr (kPairScores<T> && C % 2 == 0) {
-        (void)query;
-        __m512bh q[G][C / 2];
-        for (int g = 0; g < G; ++g)
+      // The kv head's queries: bfloat16 pairs as they are (pairs), else floats in load_row's order.
+      __m512bh q_pairs[G][pairs ? C / 2 : 1];
+      __m512 q[G][C];
+      for (int g = 0; g < G; ++g) {
+        if constexpr (pairs) {
           for (int i = 0; i < C / 2; ++i)
-            q[g][i] = (__m512bh)_mm512_loadu_si512(raw_query + (kv * G + g) * D + 32 * i);
-        for (int p = 0; p < 16; ++p) {
-          if (p >= n) {
-            for (int g = 0; g < G; ++g) dots[g][p] = _mm512_setzero_ps();
-            continue;
-          }
-          const T* k = slot(k_cache, tile + p) + kv * D;
-          __m512bh kw[C / 2];
-          for (int i = 0; i < C / 2; ++i) kw[i] = (__m512bh)_mm512_loadu_si512(k + 32 * i);
-          for (int g = 0; g < G; ++g) {
-            __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), kw[0], q[g][0]);
-            for (int i = 1; i < C / 2; ++i) sum = _mm512_dpbf16_ps(sum, kw[i], q[g][i]);
-            dots[g][p] = sum;
-          }
-        }
-      } else {
-        (void)raw_query;
-        __m512 q[G][C];
-        for (int g = 0; g < G; ++g) {
+            q_pairs[g][i] = (__m512bh)_mm512_loadu_si512(raw_query + (kv * G + g) * D + 32 * i);
+        } else {
           alignas(64) float ordered[D];
           std::memcpy(ordered, query + (kv * G + g) * D, sizeof(ordered));
           to_pair_order<T, C>(ordered);
           for (int c = 0; c < C; ++c) q[g][c] = _mm512_load_ps(ordered + 16 * c);
         }
-        for (int p = 0; p < 16; ++p) {
-          if (p >= n) {
-            for (int g = 0; g < G; ++g) dots[g][p] = _mm512_setzero_ps();
-            continue;
+      }
+      __m512 dots[G][16];
+      for (int p = 0; p < 16; ++p) {
+        if (p >= n) {
+          for (int g = 0; g < G; ++g) dots[g][p] = _mm512_setzero_ps();
+          continue;
+        }
+        const T* k = slot(k_cache, tile + p) + kv * D;
+        if constexpr (pairs) {
+          __m512bh kw[C / 2];
+          for (int i = 0; i < C / 2; ++i) kw[i] = (__m512bh)_mm512_loadu_si512(k + 32 * i);
+          for (int g = 0; g < G; ++g) {
+            __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), kw[0], q_pairs[g][0]);
+            for (int i = 1; i < C / 2; ++i) sum = _mm512_dpbf16_ps(sum, kw[i], q_pairs[g][i]);
+            dots[g][p] = sum;
           }
-          const T* k = slot(k_cache, tile + p) + kv * D;
+        } else {
           __m512 kc[C];
           load_row<T, C>(k, kc);
           for (int g = 0; g < G; ++g) {
@@ -255,8 +250,7 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
       }
       for (int g = 0; g < G; ++g) {
         const int64_t h = kv * G + g;
-        const __m512 s = kPairScores<T> && C % 2 == 0 ? _mm512_mul_ps(reduce16(dots[g]), _mm512_set1_ps(scale))
-                                                        : reduce16(dots[g]);
+        const __m512 s = pairs ? _mm512_mul_ps(reduce16(dots[g]), _mm512_set1_ps(scale)) : reduce16(dots[g]);
         _mm512_mask_storeu_ps(scores + h * len + (tile - begin), valid, s);
         row_max[h] = std::max(row_max[h], _mm512_mask_reduce_max_ps(valid, s));
       }
@@ -1136,17 +1130,17 @@ inline void prefill_scores(const float* q, int64_t head_dim, const float* kt, in
 // instructions: the query rows and K stay bfloat16, each 32-bit word two adjacent dimensions, and
 // one dpbf16ps adds both products of a word for 16 keys. The products are exact in float32; the
 // scale is applied to the sums. s[r][0..32) = scale * q[r] . kp[.][0..32) for RT rows of q (`pairs`
-// words each), kp (pairs, stride) words: (k[2i], k[2i + 1]) of each key.
+// words each, q_stride words apart), kp (pairs, stride) words: (k[2i], k[2i + 1]) of each key.
 template <int RT>
-inline void prefill_scores_pairs(const uint32_t* q, int64_t pairs, const uint32_t* kp, int64_t kp_stride,
-                                 float scale, float* s, int64_t s_stride) {
+inline void prefill_scores_pairs(const uint32_t* q, int64_t q_stride, int64_t pairs, const uint32_t* kp,
+                                 int64_t kp_stride, float scale, float* s, int64_t s_stride) {
   __m512 acc[RT][2];
   for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t i = 0; i < pairs; ++i) {
     const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + i * kp_stride);
     const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + i * kp_stride + 16);
     for (int r = 0; r < RT; ++r) {
-      const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * pairs + i]));
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * q_stride + i]));
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, qv);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, qv);
     }
@@ -1158,6 +1152,23 @@ inline void prefill_scores_pairs(const uint32_t* q, int64_t pairs, const uint32_
   }
 }
 #endif
+
+// The scores of RT query rows (head_dim floats apart) for 32 keys of kt (kt_stride apart): by
+// prefill_scores_pairs where T has it (rows and kt then hold bfloat16 pairs, unscaled), else by
+// prefill_scores (rows scaled already).
+template <typename T, int RT>
+inline void prefill_score_tile(const float* q, int64_t head_dim, const float* kt, int64_t kt_stride, float scale,
+                               float* s, int64_t s_stride) {
+#if defined(__AVX512BF16__)
+  if constexpr (kPairScores<T>) {
+    prefill_scores_pairs<RT>(reinterpret_cast<const uint32_t*>(q), head_dim, head_dim / 2,
+                             reinterpret_cast<const uint32_t*>(kt), kt_stride, scale, s, s_stride);
+    return;
+  }
+#endif
+  (void)scale;
+  prefill_scores<RT>(q, head_dim, kt, kt_stride, s, s_stride);
+}
 
 // o[r] += sum_j p[r][j] v[j] for RT rows, j in [0, len); v (len, 16 C) floats, o (RT, 16 C).
 template <int C, int RT>
@@ -1267,7 +1278,7 @@ void prefill_attention_avx512(const T* q, int64_t q_stride, const T* k_cache, co
       for (int64_t r = 0; r < rows; ++r) {
         const T* qr = q + (token_starts[s] + t0 + r / group) * q_stride + (kh * group + r % group) * D;
         if constexpr (kPairScores<T>) {
-          std::memcpy(qs.data() + r * D / 2, qr, D * sizeof(T));  // as (D / 2) words, unscaled
+          std::memcpy(qs.data() + r * D, qr, D * sizeof(T));  // as D / 2 words, unscaled
         } else {
           for (int c = 0; c < C; ++c)
             _mm512_storeu_ps(qs.data() + r * D + 16 * c, _mm512_mul_ps(load16(qr + 16 * c), _mm512_set1_ps(scale)));
@@ -1280,25 +1291,13 @@ void prefill_attention_avx512(const T* q, int64_t q_stride, const T* k_cache, co
         const int64_t n = std::min(kPrefillKeyChunk, context - c0), n32 = (n + 31) / 32 * 32;
         float* sc = scores.data();
         for (int64_t j = 0; j < n32; j += 32) {
-          if constexpr (kPairScores<T>) {
-            const uint32_t* qw = reinterpret_cast<const uint32_t*>(qs.data());
-            const uint32_t* kp = reinterpret_cast<const uint32_t*>(kt) + c0 + j;
-            int64_t r = 0;
-            for (; r + 6 <= rows; r += 6)
-              prefill_scores_pairs<6>(qw + r * D / 2, D / 2, kp, padded[s], scale, sc + r * kPrefillKeyChunk + j,
-                                      kPrefillKeyChunk);
-            for (; r < rows; ++r)
-              prefill_scores_pairs<1>(qw + r * D / 2, D / 2, kp, padded[s], scale, sc + r * kPrefillKeyChunk + j,
-                                      kPrefillKeyChunk);
-          } else {
-            int64_t r = 0;
-            for (; r + 6 <= rows; r += 6)
-              prefill_scores<6>(qs.data() + r * D, D, kt + c0 + j, padded[s], sc + r * kPrefillKeyChunk + j,
-                                kPrefillKeyChunk);
-            for (; r < rows; ++r)
-              prefill_scores<1>(qs.data() + r * D, D, kt + c0 + j, padded[s], sc + r * kPrefillKeyChunk + j,
-                                kPrefillKeyChunk);
-          }
+          int64_t r = 0;
+          for (; r + 6 <= rows; r += 6)
+            prefill_score_tile<T, 6>(qs.data() + r * D, D, kt + c0 + j, padded[s], scale,
+                                     sc + r * kPrefillKeyChunk + j, kPrefillKeyChunk);
+          for (; r < rows; ++r)
+            prefill_score_tile<T, 1>(qs.data() + r * D, D, kt + c0 + j, padded[s], scale,
+                                     sc + r * kPrefillKeyChunk + j, kPrefillKeyChunk);
         }
         for (int64_t r = 0; r < rows; ++r) {
           // Keys of this chunk at or before the row's own position.
