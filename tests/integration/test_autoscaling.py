@@ -56,11 +56,14 @@ class ReplicaWatch:
         from ray import serve
 
         while not self._stop.is_set():
+            # Stamped when the call starts: serve.status() can take a while on a loaded machine, and
+            # a change it reports may have come at any point after this time.
+            started = time.monotonic()
             app = serve.status().applications.get("iterserve")
             deployment = app.deployments.get("LLMServer") if app is not None else None
             if deployment is not None:
                 states = {str(getattr(s, "value", s)): n for s, n in deployment.replica_states.items()}
-                self.samples.append((time.monotonic(), states.get("RUNNING", 0), sum(states.values())))
+                self.samples.append((started, states.get("RUNNING", 0), sum(states.values())))
             self._stop.wait(0.25)
 
     def running(self) -> int:
@@ -99,6 +102,27 @@ def running_per_replica(metrics_text: str) -> dict[str, float]:
             replica = line.split('replica="', 1)[1].split('"', 1)[0]
             running[replica] = float(line.rsplit(" ", 1)[1])
     return running
+
+
+def busy_when_removed(busy: list[tuple[float, dict[str, float]]], down_s: float) -> dict[str, float]:
+    """The most requests each replica was seen running in the last two /metrics samples taken
+    before a scale-down that was first seen at down_s (0.3 s apart: a 5 s request is not caught
+    between two). /metrics asks the replicas in the routing set; a replica being removed leaves
+    that set before serve.status() says so, so a replica missing from the last sample and busy in
+    the one before counts as busy: it was removed while running a request."""
+    before = [per_replica for t, per_replica in busy if t < down_s - 0.3][-2:]
+    replicas = {replica for sample in before for replica in sample}
+    return {replica: max(sample.get(replica, 0.0) for sample in before) for replica in replicas}
+
+
+def test_a_replica_that_left_the_routing_set_in_the_last_sample_counts_as_busy():
+    # What CI saw (stop 46): the removed replica answered the second-to-last /metrics sample with
+    # one request running and was gone from the last one, 0.3 s later.
+    busy = [(1.0, {"a": 1.0, "b": 1.0}), (1.3, {"a": 1.0}), (2.0, {"a": 1.0})]
+    assert busy_when_removed(busy, down_s=1.9) == {"a": 1.0, "b": 1.0}
+    # A replica idle in both samples is still idle.
+    busy = [(1.0, {"a": 1.0, "b": 0.0}), (1.3, {"a": 1.0, "b": 0.0})]
+    assert busy_when_removed(busy, down_s=1.9) == {"a": 1.0, "b": 0.0}
 
 
 def test_scales_up_under_load_and_back_down_without_failing_a_request(app):
@@ -151,10 +175,8 @@ def test_scales_up_under_load_and_back_down_without_failing_a_request(app):
     # The scale-down came while every replica had a request running: the removed one drained it.
     down_s = next(t for (t, running, _), (_, before, _) in zip(watch.samples[1:], watch.samples) if running < before
                   and t > busy[0][0])
-    # (The last two samples before it, 0.3 s apart: a 5 s request is not caught between two.)
-    before = [per_replica for t, per_replica in busy if t < down_s - 0.3][-2:]
-    last_seen = {replica: max(sample.get(replica, 0.0) for sample in before) for replica in before[-1]}
-    assert len(last_seen) == 2 and all(n >= 1 for n in last_seen.values()), before
+    last_seen = busy_when_removed(busy, down_s)
+    assert len(last_seen) == 2 and all(n >= 1 for n in last_seen.values()), busy[-12:]
     # Every request, including those running on the replica that was removed, finished whole.
     assert results and all(status == 200 and tokens == wanted for status, tokens, wanted in results), \
         [r for r in results if r[0] != 200 or r[1] != r[2]]
