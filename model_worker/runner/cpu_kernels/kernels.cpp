@@ -755,6 +755,9 @@ void sample_rows(const T* x, int64_t row_stride, int64_t rows, int64_t width, co
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int kPanel = 16;
 constexpr int kPanelGroup = 3;
+// Rows a matmul takes through every panel group at a time: a block of x stays in L2 (a prompt
+// step's x is megabytes) while the groups pass over it.
+constexpr int64_t kPanelRowBlock = 256;
 constexpr int kPanelRows = 8;
 // Panel rows (64 bytes each) a thread prefetches ahead in each of the three panels it walks: the
 // hardware prefetcher alone left the float32 kernel a fifth slower at 8 rows (48 from an A/B of
@@ -931,13 +934,19 @@ bool amx_panel_linear(const bf16* x, int64_t x_row_stride, int64_t rows, const b
   {
     int configured = 0;
     alignas(64) float tile[kAmxRows * kPanelGroup * kPanel];
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
+    // Rows in blocks of kPanelRowBlock, each block through every panel group before the next: a
+    // block of x stays in L2 while a thread's groups pass over it (the same groups in every
+    // block). Without the blocks, a prompt step streamed all of x from L3 once per group, and a
+    // step of 2048 rows ran 1.4x slower than oneDNN's matmuls (docs/benchmarks.md, twelfth pass).
+    for (int64_t block = 0; block < rows; block += kPanelRowBlock) {
+      const int64_t block_end = std::min(rows, block + kPanelRowBlock);
+#pragma omp for schedule(static) nowait
+      for (int64_t g = 0; g < groups; ++g) {
       const int64_t first = g * kPanelGroup;
       const int n = static_cast<int>(std::min<int64_t>(kPanelGroup, num_panels - first));
       const bf16* panel = panels + first * panel_elements;
-      for (int64_t m = 0; m < rows; m += kAmxRows) {
-        const int rows_here = static_cast<int>(std::min<int64_t>(kAmxRows, rows - m));
+      for (int64_t m = block; m < block_end; m += kAmxRows) {
+        const int rows_here = static_cast<int>(std::min<int64_t>(kAmxRows, block_end - m));
         if (rows_here != configured) {
           amx_configure(rows_here);
           configured = rows_here;
@@ -948,6 +957,7 @@ bool amx_panel_linear(const bf16* x, int64_t x_row_stride, int64_t rows, const b
         else amx_panel_block<1>(xm, x_row_stride, panel, panel_elements, in, tile);
         panel_store(tile, rows_here, m, first * kPanel, n * kPanel, bias, residual, residual_row_stride, out,
                     out_row_stride);
+      }
       }
     }
     if (configured) _tile_release();
@@ -969,14 +979,17 @@ bool panel_linear(const T* x, int64_t x_row_stride, int64_t rows, const T* panel
 #endif
   const int64_t num_panels = out_features / kPanel, panel_elements = in * kPanel;
   const int64_t groups = (num_panels + kPanelGroup - 1) / kPanelGroup;
+  // Rows in blocks, each block through every panel group before the next, as amx_panel_linear.
+  for (int64_t block = 0; block < rows; block += kPanelRowBlock) {
+  const int64_t block_end = std::min(rows, block + kPanelRowBlock);
   for_each_index(groups, groups > 1, [&](int64_t g) {
     const int64_t first = g * kPanelGroup;
     const int n = static_cast<int>(std::min<int64_t>(kPanelGroup, num_panels - first));
     const T* panel = panels + first * panel_elements;
     float tile[kPanelRows * kPanelGroup * kPanel];
     auto* rows_of_tile = reinterpret_cast<float (*)[kPanelGroup * kPanel]>(tile);
-    for (int64_t m = 0; m < rows; m += kPanelRows) {
-      const int rows_here = static_cast<int>(std::min<int64_t>(kPanelRows, rows - m));
+    for (int64_t m = block; m < block_end; m += kPanelRows) {
+      const int rows_here = static_cast<int>(std::min<int64_t>(kPanelRows, block_end - m));
       const T* xm = x + m * x_row_stride;
       if (n == 3) panel_block_rows<T, 3>(rows_here, xm, x_row_stride, panel, panel_elements, in, rows_of_tile);
       else if (n == 2) panel_block_rows<T, 2>(rows_here, xm, x_row_stride, panel, panel_elements, in, rows_of_tile);
@@ -985,6 +998,7 @@ bool panel_linear(const T* x, int64_t x_row_stride, int64_t rows, const T* panel
                   out_row_stride);
     }
   });
+  }
   return true;
 }
 #else

@@ -47,7 +47,15 @@ PANEL = 16
 # whole decode step, which runs each layer in one call, won at every size: 8 / 16 / 32 / 64 rows
 # 13.8 / 18.5 / 30.1 / 53.7 ms against oneDNN's 19.8 / 25.5 / 38.5 / 61.3 (docs/benchmarks.md, eighth
 # pass). There the bound is 128, as with AMX.
-_FASTER_UP_TO = {(torch.bfloat16, True): 128, (torch.bfloat16, False): 4, (torch.float32, False): 128}
+# On an Intel CPU with AMX the bound is 1024 rows in both dtypes, since the matmuls take a prompt
+# step's rows in blocks that stay in L2 (kernels.cpp, kPanelRowBlock): SmolLM2's whole step, one
+# call a layer against nine from Python around oneDNN, 2 cores, twelfth pass of docs/benchmarks.md:
+# bfloat16 at 256 / 512 / 1,024 / 1,280 / 1,536 / 2,048 rows 65-69 / 141 / 230-234 / 273-295 /
+# 349-354 / 450-516 ms against 82-86 / 161-167 / 253-271 / 286-315 / 312-323 / 414-444; float32 at
+# 256 / 512 / 1,024 rows 199 / 390-421 / 770-779 against 233 / 437-447 / 781-801. CPUs without AMX
+# keep 128 rows until measured.
+_FASTER_UP_TO = {(torch.bfloat16, True): 1024, (torch.bfloat16, False): 4, (torch.float32, True): 1024,
+                 (torch.float32, False): 128}
 _WITHOUT_AMX_ANYWHERE = 128
 
 
@@ -289,6 +297,8 @@ def panel_amx() -> bool:
 
 def panel_max_rows(dtype: torch.dtype) -> int:
     """Up to how many rows `panel_linear` is the faster matmul for this dtype on this machine."""
+    if dtype == torch.float32:
+        return _FASTER_UP_TO[(dtype, cpu_has_amx())]
     amx = dtype == torch.bfloat16 and panel_amx()
     if dtype == torch.bfloat16 and not amx and not cpu_has_amx():
         return _WITHOUT_AMX_ANYWHERE
