@@ -83,15 +83,33 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// 16 floats to 16 elements at p, rounded as from_float rounds each.
+// 16 floats to 16 elements at p, rounded as from_float rounds each. With AVX512_BF16 one
+// vcvtneps2bf16 does it (SiLU-times-up 1.2x faster at 256-2,048 rows), with the same bits except
+// for denormal floats (below 2^-126), which it flushes to a zero of their sign.
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(bf16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  return;
+#endif
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// v rounded to T's precision as store16 rounds it, kept as floats.
+template <typename T>
+inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    alignas(32) bf16 rounded[16];
+    store16(rounded, v);
+    return load16(rounded);
+  }
 }
 
 // e^x to about 2 ulp for x in [-87, 88] (clamped to it): x = n ln2 + r with |r| <= ln2 / 2, e^r by
@@ -507,19 +525,45 @@ void decode_attention(const T* q, int64_t q_token_stride, const T* k_cache, cons
 
 
 // RMSNorm of each row as transformers computes it: the mean square in float32, x * rsqrt(ms + eps)
-// rounded to the model dtype, then times the weight, rounded again.
+// rounded to the model dtype, then times the weight, rounded again. bfloat16 with AVX-512: 16
+// elements a vector (four sums in flight), 2x the loop the compiler made of the scalar code with
+// the same bits (twelfth pass); float32 keeps the scalar code, whose sums are in another order.
 template <typename T>
 void rms_norm(const T* x, int64_t x_row_stride, const T* weight, T* out, int64_t rows, int64_t width, float eps) {
   for_each_index(rows, rows * width >= kParallelElements, [&](int64_t r) {
     const T* xr = x + r * x_row_stride;
     T* o = out + r * width;
     float sum = 0.f;
+    int64_t e = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, bf16>) {
+      __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (; e + 64 <= width; e += 64)
+        for (int j = 0; j < 4; ++j) {
+          const __m512 v = load16(xr + e + 16 * j);
+          sums[j] = _mm512_fmadd_ps(v, v, sums[j]);
+        }
+      for (; e + 16 <= width; e += 16) {
+        const __m512 v = load16(xr + e);
+        sums[0] = _mm512_fmadd_ps(v, v, sums[0]);
+      }
+      sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3])));
+    }
+#endif
 #pragma omp simd reduction(+ : sum)
-    for (int64_t e = 0; e < width; ++e) sum += to_float(xr[e]) * to_float(xr[e]);
+    for (int64_t i = e; i < width; ++i) sum += to_float(xr[i]) * to_float(xr[i]);
     const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
+    e = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, bf16>) {
+      const __m512 scale = _mm512_set1_ps(inv);
+      for (; e + 16 <= width; e += 16)
+        store16(o + e, _mm512_mul_ps(load16(weight + e), round16<T>(_mm512_mul_ps(load16(xr + e), scale))));
+    }
+#endif
 #pragma omp simd
-    for (int64_t e = 0; e < width; ++e)
-      o[e] = from_float<T>(to_float(weight[e]) * to_float(from_float<T>(to_float(xr[e]) * inv)));
+    for (int64_t i = e; i < width; ++i)
+      o[i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(to_float(xr[i]) * inv)));
   });
 }
 
@@ -539,11 +583,23 @@ void rotary_and_cache(T* qkv, int64_t qkv_row_stride, const int64_t* positions, 
     const float* s = sin + positions[t] * head_dim;
     for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
       T* x = row + h * head_dim;
+      int64_t e = 0;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, bf16>) {  // float32 keeps the compiler's loop and its bits
+        for (; e + 16 <= half; e += 16) {
+          const __m512 lo = load16(x + e), hi = load16(x + e + half);
+          store16(x + e, _mm512_sub_ps(_mm512_mul_ps(lo, _mm512_loadu_ps(c + e)),
+                                       _mm512_mul_ps(hi, _mm512_loadu_ps(s + e))));
+          store16(x + e + half, _mm512_add_ps(_mm512_mul_ps(hi, _mm512_loadu_ps(c + e + half)),
+                                              _mm512_mul_ps(lo, _mm512_loadu_ps(s + e + half))));
+        }
+      }
+#endif
 #pragma omp simd
-      for (int64_t e = 0; e < half; ++e) {
-        const float lo = to_float(x[e]), hi = to_float(x[e + half]);
-        x[e] = from_float<T>(lo * c[e] - hi * s[e]);
-        x[e + half] = from_float<T>(hi * c[e + half] + lo * s[e + half]);
+      for (int64_t i = e; i < half; ++i) {
+        const float lo = to_float(x[i]), hi = to_float(x[i + half]);
+        x[i] = from_float<T>(lo * c[i] - hi * s[i]);
+        x[i + half] = from_float<T>(hi * c[i + half] + lo * s[i + half]);
       }
     }
     const T* k = row + num_heads * head_dim;
