@@ -1223,6 +1223,67 @@ inline void prefill_scores_pairs(const uint32_t* q, int64_t q_stride, int64_t pa
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// Where the CPU has AMX, prefill_scores_pairs's product on tiles: s[r][0..n32) = scale * q[r] .
+// kp[.][0..n32) for `rows` query rows, 16 rows by 32 keys a time. K's pairs are already the layout
+// of tdpbf16ps's second operand (a tile row is one pair of dimensions of 16 keys), and a query row
+// of `pairs` words is its first. The products are exact and summed in float32, as dpbf16ps sums
+// them. False (nothing written) where tiles are not permitted or pairs is not a multiple of 16.
+inline bool amx_pair_scores(const uint32_t* q, int64_t q_stride, int64_t pairs, int64_t rows, const uint32_t* kp,
+                            int64_t kp_stride, int64_t n32, float scale, float* s, int64_t s_stride) {
+  if (pairs % 16 != 0 || !amx_permitted()) return false;
+  int configured = 0;
+  for (int64_t r = 0; r < rows; r += 16) {
+    const int rows_here = static_cast<int>(std::min<int64_t>(16, rows - r));
+    if (rows_here != configured) {
+      TileConfig config;
+      for (int t = 0; t < 3; ++t) {  // the sums of 16 and of 16 more keys, the query rows
+        config.rows[t] = static_cast<uint8_t>(rows_here);
+        config.colsb[t] = 64;
+      }
+      for (int t = 3; t < 5; ++t) {  // 16 pairs of dimensions of 16 keys, twice
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+      }
+      _tile_loadconfig(&config);
+      configured = rows_here;
+    }
+    for (int64_t j = 0; j < n32; j += 32) {
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t i = 0; i < pairs; i += 16) {
+        _tile_loadd(2, q + r * q_stride + i, q_stride * static_cast<int64_t>(sizeof(uint32_t)));
+        _tile_loadd(3, kp + i * kp_stride + j, kp_stride * static_cast<int64_t>(sizeof(uint32_t)));
+        _tile_loadd(4, kp + i * kp_stride + j + 16, kp_stride * static_cast<int64_t>(sizeof(uint32_t)));
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+      }
+      _tile_stored(0, s + r * s_stride + j, s_stride * static_cast<int64_t>(sizeof(float)));
+      _tile_stored(1, s + r * s_stride + j + 16, s_stride * static_cast<int64_t>(sizeof(float)));
+    }
+  }
+  if (configured) _tile_release();
+  const __m512 f = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < n32; j += 16) _mm512_storeu_ps(s + r * s_stride + j, _mm512_mul_ps(f, _mm512_loadu_ps(s + r * s_stride + j)));
+  return true;
+}
+#endif
+
+// The scores of `rows` query rows for n32 keys on AMX tiles where T and the CPU have them
+// (amx_pair_scores); false where they do not, and the caller takes prefill_score_tile.
+template <typename T>
+inline bool amx_score_rows(const float* q, int64_t head_dim, int64_t rows, const float* kt, int64_t kt_stride,
+                           int64_t n32, float scale, float* s, int64_t s_stride) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  if constexpr (kPairScores<T>)
+    return amx_pair_scores(reinterpret_cast<const uint32_t*>(q), head_dim, head_dim / 2, rows,
+                           reinterpret_cast<const uint32_t*>(kt), kt_stride, n32, scale, s, s_stride);
+#endif
+  (void)q, (void)head_dim, (void)rows, (void)kt, (void)kt_stride, (void)n32, (void)scale, (void)s, (void)s_stride;
+  return false;
+}
+
 // The scores of RT query rows (head_dim floats apart) for 32 keys of kt (kt_stride apart): by
 // prefill_scores_pairs where T has it (rows and kt then hold bfloat16 pairs, unscaled), else by
 // prefill_scores (rows scaled already).
@@ -1360,6 +1421,7 @@ void prefill_attention_avx512(const T* q, int64_t q_stride, const T* k_cache, co
       for (int64_t c0 = 0; c0 < context; c0 += kPrefillKeyChunk) {
         const int64_t n = std::min(kPrefillKeyChunk, context - c0), n32 = (n + 31) / 32 * 32;
         float* sc = scores.data();
+        if (!amx_score_rows<T>(qs.data(), D, rows, kt + c0, padded[s], n32, scale, sc, kPrefillKeyChunk))
         for (int64_t j = 0; j < n32; j += 32) {
           int64_t r = 0;
           for (; r + 6 <= rows; r += 6)
