@@ -1284,6 +1284,80 @@ inline bool amx_score_rows(const float* q, int64_t head_dim, int64_t rows, const
   return false;
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// o[r] += sum_j p[r][j] v[j] for `rows` rows and n32 keys on AMX tiles, D = 16 C. Each
+// probability is split into two bfloat16s, p = hi + lo (hi: p rounded; lo: the rest, rounded):
+// together they hold p to about 2^-17 of itself, where one bfloat16 would hold it to 2^-9 (the
+// eleventh pass found P V on single bfloat16s 1.2x torch's error). V is bfloat16 already, so every
+// product is exact and the sums are float32, as in prefill_pv. p: (rows, p_stride floats), zero
+// past each row's keys; vp: V in pairs of keys (n32 / 2 rows of D words, a word the two keys'
+// values of one dimension), zeros past the context; o: (rows, D) floats; hi, lo: scratch of
+// rows * n32 / 2 words each.
+template <int C>
+void amx_pv(const float* p, int64_t p_stride, int64_t rows, int64_t n32, const uint32_t* vp, float* o, uint32_t* hi,
+            uint32_t* lo) {
+  constexpr int64_t D = 16 * C;
+  const int64_t words = n32 / 2;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < n32; j += 32) {
+      const __m512 p0 = _mm512_loadu_ps(p + r * p_stride + j), p1 = _mm512_loadu_ps(p + r * p_stride + j + 16);
+      const __m512 h0 = round16<bf16>(p0), h1 = round16<bf16>(p1);
+      _mm512_storeu_si512(hi + r * words + j / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(h1, h0)));
+      _mm512_storeu_si512(lo + r * words + j / 2,
+                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, h1), _mm512_sub_ps(p0, h0))));
+    }
+  constexpr int kGroup = C < 4 ? C : 4;  // output tiles at a time (tiles 0-3), with tiles 4-6
+  for (int64_t r = 0; r < rows; r += 16) {
+    const int rows_here = static_cast<int>(std::min<int64_t>(16, rows - r));
+    TileConfig config;
+    for (int t = 0; t < 6; ++t) {  // sums of 16 dimensions (0-3), hi and lo of 32 keys (4, 5)
+      config.rows[t] = static_cast<uint8_t>(rows_here);
+      config.colsb[t] = 64;
+    }
+    config.rows[6] = 16;  // 16 pairs of keys of 16 dimensions
+    config.colsb[6] = 64;
+    _tile_loadconfig(&config);
+    for (int c0 = 0; c0 < C; c0 += kGroup) {
+      constexpr int64_t o_stride = D * sizeof(float);
+      float* out = o + r * D + 16 * c0;
+      _tile_loadd(0, out, o_stride);
+      if (kGroup > 1) _tile_loadd(1, out + 16, o_stride);
+      if (kGroup > 2) _tile_loadd(2, out + 32, o_stride);
+      if (kGroup > 3) _tile_loadd(3, out + 48, o_stride);
+      for (int64_t k = 0; k < words; k += 16) {
+        _tile_loadd(4, hi + r * words + k, words * static_cast<int64_t>(sizeof(uint32_t)));
+        _tile_loadd(5, lo + r * words + k, words * static_cast<int64_t>(sizeof(uint32_t)));
+        const uint32_t* v = vp + k * D + 16 * c0;
+        constexpr int64_t v_stride = D * sizeof(uint32_t);
+        _tile_loadd(6, v, v_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(0, 5, 6);
+        if (kGroup > 1) {
+          _tile_loadd(6, v + 16, v_stride);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_dpbf16ps(1, 5, 6);
+        }
+        if (kGroup > 2) {
+          _tile_loadd(6, v + 32, v_stride);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_dpbf16ps(2, 5, 6);
+        }
+        if (kGroup > 3) {
+          _tile_loadd(6, v + 48, v_stride);
+          _tile_dpbf16ps(3, 4, 6);
+          _tile_dpbf16ps(3, 5, 6);
+        }
+      }
+      _tile_stored(0, out, o_stride);
+      if (kGroup > 1) _tile_stored(1, out + 16, o_stride);
+      if (kGroup > 2) _tile_stored(2, out + 32, o_stride);
+      if (kGroup > 3) _tile_stored(3, out + 48, o_stride);
+    }
+  }
+  _tile_release();
+}
+#endif
+
 // The scores of RT query rows (head_dim floats apart) for 32 keys of kt (kt_stride apart): by
 // prefill_scores_pairs where T has it (rows and kt then hold bfloat16 pairs, unscaled), else by
 // prefill_scores (rows scaled already).
@@ -1337,6 +1411,16 @@ void prefill_pv_rows(const float* p, int64_t p_stride, const int64_t* lens, int6
   for (; r < rows; ++r) prefill_pv<C, 1>(p + r * p_stride, p_stride, lens[r], v, o + r * 16 * C);
 }
 
+// Whether prompt attention for T and head_dim 16 C runs on AMX tiles here: bfloat16 pairs, a
+// query row of whole tiles (head_dim a multiple of 32), and the OS lets this process use them.
+template <typename T, int C>
+bool amx_attention() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  if constexpr (kPairScores<T> && C % 2 == 0) return amx_permitted();
+#endif
+  return false;
+}
+
 template <typename T, int C>
 void prefill_attention_avx512(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                               const int64_t* token_starts, const int64_t* query_lens, const int64_t* starts,
@@ -1345,13 +1429,18 @@ void prefill_attention_avx512(const T* q, int64_t q_stride, const T* k_cache, co
                               float scale) {
   constexpr int64_t D = 16 * C;
   const int64_t group = num_heads / num_kv_heads, width = num_kv_heads * D;
-  // Per sequence and kv head: K transposed (D, padded context) and V (context, D), as floats.
-  std::vector<int64_t> padded(num_seqs), packed_at(num_seqs + 1, 0), first_item(num_seqs + 1, 0);
+  // bfloat16 on AMX tiles where the CPU has them: the scores (amx_pair_scores) and P V (amx_pv),
+  // V then packed in pairs of keys.
+  const bool tiles = amx_attention<T, C>();
+  // Per sequence and kv head: K transposed (D, padded context) and V (context, D), as floats, or
+  // V in pairs of keys (padded / 2, D) words for the tiles.
+  std::vector<int64_t> padded(num_seqs), head_floats(num_seqs), packed_at(num_seqs + 1, 0), first_item(num_seqs + 1, 0);
   int64_t total_tokens = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t context = starts[s] + query_lens[s];
     padded[s] = (context + 31) / 32 * 32;
-    packed_at[s + 1] = packed_at[s] + num_kv_heads * (D * padded[s] + context * D);
+    head_floats[s] = D * padded[s] + (tiles ? padded[s] / 2 * D : context * D);
+    packed_at[s + 1] = packed_at[s] + num_kv_heads * head_floats[s];
     total_tokens += query_lens[s];
   }
   // Blocks of fewer query tokens where the step has few, so that every thread has items.
@@ -1371,14 +1460,22 @@ void prefill_attention_avx512(const T* q, int64_t q_stride, const T* k_cache, co
     for (int64_t pair = 0; pair < num_seqs * num_kv_heads; ++pair) {
       const int64_t s = pair / num_kv_heads, kh = pair % num_kv_heads;
       const int64_t context = starts[s] + query_lens[s];
-      float* kt = packed_base + packed_at[s] + kh * (D * padded[s] + context * D);
+      float* kt = packed_base + packed_at[s] + kh * head_floats[s];
       float* vf = kt + D * padded[s];
+      T* vp = reinterpret_cast<T*>(vf);  // with tiles: word (i, d) holds dimension d of keys 2i, 2i + 1
+      if (tiles)  // zeros past the context, which P's zeros multiply
+        std::fill(vp + context / 2 * 2 * D, vp + padded[s] * D, T{});
       const int64_t* blocks = block_tables + s * block_table_stride;
       for (int64_t pos = 0; pos < context; ++pos) {
         const int64_t slot = blocks[pos / block_size] * block_size + pos % block_size;
         const T* k = k_cache + slot * width + kh * D;
         const T* v = v_cache + slot * width + kh * D;
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(vf + pos * D + 16 * c, load16(v + 16 * c));
+        if (tiles) {
+          T* row = vp + pos / 2 * 2 * D + pos % 2;
+          for (int64_t d = 0; d < D; ++d) row[2 * d] = v[d];
+        } else {
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(vf + pos * D + 16 * c, load16(v + 16 * c));
+        }
         if constexpr (kPairScores<T>) {
           uint32_t words[D / 2];
           std::memcpy(words, k, sizeof(words));
@@ -1393,6 +1490,7 @@ void prefill_attention_avx512(const T* q, int64_t q_stride, const T* k_cache, co
       for (int64_t d = 0; d < kt_rows; ++d) std::fill(kt + d * padded[s] + context, kt + (d + 1) * padded[s], 0.f);
     }
     std::vector<float> qs(num_rows_max * D), acc(num_rows_max * D), scores(num_rows_max * kPrefillKeyChunk);
+    std::vector<uint32_t> p_hi(tiles ? num_rows_max * kPrefillKeyChunk / 2 : 0), p_lo(p_hi.size());
     std::vector<float> row_max(num_rows_max), denom(num_rows_max);
     std::vector<int64_t> valid(num_rows_max);
 #pragma omp for schedule(dynamic, 1)
@@ -1404,7 +1502,7 @@ void prefill_attention_avx512(const T* q, int64_t q_stride, const T* k_cache, co
       const int64_t block = blocks_of_seq - 1 - local / num_kv_heads;
       const int64_t t0 = block * query_block, t1 = std::min(t0 + query_block, query_lens[s]);
       const int64_t rows = (t1 - t0) * group, context = starts[s] + t1;
-      const float* kt = packed_base + packed_at[s] + kh * (D * padded[s] + (starts[s] + query_lens[s]) * D);
+      const float* kt = packed_base + packed_at[s] + kh * head_floats[s];
       const float* vf = kt + D * padded[s];
       for (int64_t r = 0; r < rows; ++r) {
         const T* qr = q + (token_starts[s] + t0 + r / group) * q_stride + (kh * group + r % group) * D;
@@ -1421,7 +1519,7 @@ void prefill_attention_avx512(const T* q, int64_t q_stride, const T* k_cache, co
       for (int64_t c0 = 0; c0 < context; c0 += kPrefillKeyChunk) {
         const int64_t n = std::min(kPrefillKeyChunk, context - c0), n32 = (n + 31) / 32 * 32;
         float* sc = scores.data();
-        if (!amx_score_rows<T>(qs.data(), D, rows, kt + c0, padded[s], n32, scale, sc, kPrefillKeyChunk))
+        if (!(tiles && amx_score_rows<T>(qs.data(), D, rows, kt + c0, padded[s], n32, scale, sc, kPrefillKeyChunk)))
         for (int64_t j = 0; j < n32; j += 32) {
           int64_t r = 0;
           for (; r + 6 <= rows; r += 6)
@@ -1464,6 +1562,13 @@ void prefill_attention_avx512(const T* q, int64_t q_stride, const T* k_cache, co
               _mm512_storeu_ps(acc_r + 16 * c, _mm512_mul_ps(f, _mm512_loadu_ps(acc_r + 16 * c)));
           }
         }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+        if (tiles) {
+          amx_pv<C>(sc, kPrefillKeyChunk, rows, n32, reinterpret_cast<const uint32_t*>(vf) + c0 / 2 * D, acc.data(),
+                    p_hi.data(), p_lo.data());
+          continue;
+        }
+#endif
         prefill_pv_rows<C>(sc, kPrefillKeyChunk, valid.data(), rows, vf + c0 * D, acc.data());
       }
       for (int64_t r = 0; r < rows; ++r) {
