@@ -1307,6 +1307,8 @@ void amx_pv(const float* p, int64_t p_stride, int64_t rows, int64_t n32, const u
                           reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, h1), _mm512_sub_ps(p0, h0))));
     }
   constexpr int kGroup = C < 4 ? C : 4;  // output tiles at a time (tiles 0-3), with tiles 4-6
+  // The tile intrinsics name their tiles by literal numbers (the assembler reads them as register
+  // names), so each output tile is spelled out below rather than looped over.
   for (int64_t r = 0; r < rows; r += 16) {
     const int rows_here = static_cast<int>(std::min<int64_t>(16, rows - r));
     TileConfig config;
