@@ -998,22 +998,22 @@ bool amx_panel_linear(const bf16* x, int64_t x_row_stride, int64_t rows, const b
       const int64_t block_end = std::min(rows, block + kPanelRowBlock);
 #pragma omp for schedule(static) nowait
       for (int64_t g = 0; g < groups; ++g) {
-      const int64_t first = g * kPanelGroup;
-      const int n = static_cast<int>(std::min<int64_t>(kPanelGroup, num_panels - first));
-      const bf16* panel = panels + first * panel_elements;
-      for (int64_t m = block; m < block_end; m += kAmxRows) {
-        const int rows_here = static_cast<int>(std::min<int64_t>(kAmxRows, block_end - m));
-        if (rows_here != configured) {
-          amx_configure(rows_here);
-          configured = rows_here;
+        const int64_t first = g * kPanelGroup;
+        const int n = static_cast<int>(std::min<int64_t>(kPanelGroup, num_panels - first));
+        const bf16* panel = panels + first * panel_elements;
+        for (int64_t m = block; m < block_end; m += kAmxRows) {
+          const int rows_here = static_cast<int>(std::min<int64_t>(kAmxRows, block_end - m));
+          if (rows_here != configured) {
+            amx_configure(rows_here);
+            configured = rows_here;
+          }
+          const bf16* xm = x + m * x_row_stride;
+          if (n == 3) amx_panel_block<3>(xm, x_row_stride, panel, panel_elements, in, tile);
+          else if (n == 2) amx_panel_block<2>(xm, x_row_stride, panel, panel_elements, in, tile);
+          else amx_panel_block<1>(xm, x_row_stride, panel, panel_elements, in, tile);
+          panel_store(tile, rows_here, m, first * kPanel, n * kPanel, bias, residual, residual_row_stride, out,
+                      out_row_stride);
         }
-        const bf16* xm = x + m * x_row_stride;
-        if (n == 3) amx_panel_block<3>(xm, x_row_stride, panel, panel_elements, in, tile);
-        else if (n == 2) amx_panel_block<2>(xm, x_row_stride, panel, panel_elements, in, tile);
-        else amx_panel_block<1>(xm, x_row_stride, panel, panel_elements, in, tile);
-        panel_store(tile, rows_here, m, first * kPanel, n * kPanel, bias, residual, residual_row_stride, out,
-                    out_row_stride);
-      }
       }
     }
     if (configured) _tile_release();
@@ -1037,23 +1037,23 @@ bool panel_linear(const T* x, int64_t x_row_stride, int64_t rows, const T* panel
   const int64_t groups = (num_panels + kPanelGroup - 1) / kPanelGroup;
   // Rows in blocks, each block through every panel group before the next, as amx_panel_linear.
   for (int64_t block = 0; block < rows; block += kPanelRowBlock) {
-  const int64_t block_end = std::min(rows, block + kPanelRowBlock);
-  for_each_index(groups, groups > 1, [&](int64_t g) {
-    const int64_t first = g * kPanelGroup;
-    const int n = static_cast<int>(std::min<int64_t>(kPanelGroup, num_panels - first));
-    const T* panel = panels + first * panel_elements;
-    float tile[kPanelRows * kPanelGroup * kPanel];
-    auto* rows_of_tile = reinterpret_cast<float (*)[kPanelGroup * kPanel]>(tile);
-    for (int64_t m = block; m < block_end; m += kPanelRows) {
-      const int rows_here = static_cast<int>(std::min<int64_t>(kPanelRows, block_end - m));
-      const T* xm = x + m * x_row_stride;
-      if (n == 3) panel_block_rows<T, 3>(rows_here, xm, x_row_stride, panel, panel_elements, in, rows_of_tile);
-      else if (n == 2) panel_block_rows<T, 2>(rows_here, xm, x_row_stride, panel, panel_elements, in, rows_of_tile);
-      else panel_block_rows<T, 1>(rows_here, xm, x_row_stride, panel, panel_elements, in, rows_of_tile);
-      panel_store(tile, rows_here, m, first * kPanel, n * kPanel, bias, residual, residual_row_stride, out,
-                  out_row_stride);
-    }
-  });
+    const int64_t block_end = std::min(rows, block + kPanelRowBlock);
+    for_each_index(groups, groups > 1, [&](int64_t g) {
+      const int64_t first = g * kPanelGroup;
+      const int n = static_cast<int>(std::min<int64_t>(kPanelGroup, num_panels - first));
+      const T* panel = panels + first * panel_elements;
+      float tile[kPanelRows * kPanelGroup * kPanel];
+      auto* rows_of_tile = reinterpret_cast<float (*)[kPanelGroup * kPanel]>(tile);
+      for (int64_t m = block; m < block_end; m += kPanelRows) {
+        const int rows_here = static_cast<int>(std::min<int64_t>(kPanelRows, block_end - m));
+        const T* xm = x + m * x_row_stride;
+        if (n == 3) panel_block_rows<T, 3>(rows_here, xm, x_row_stride, panel, panel_elements, in, rows_of_tile);
+        else if (n == 2) panel_block_rows<T, 2>(rows_here, xm, x_row_stride, panel, panel_elements, in, rows_of_tile);
+        else panel_block_rows<T, 1>(rows_here, xm, x_row_stride, panel, panel_elements, in, rows_of_tile);
+        panel_store(tile, rows_here, m, first * kPanel, n * kPanel, bias, residual, residual_row_stride, out,
+                    out_row_stride);
+      }
+    });
   }
   return true;
 }
@@ -1227,11 +1227,10 @@ inline void prefill_scores_pairs(const uint32_t* q, int64_t q_stride, int64_t pa
 // Where the CPU has AMX, prefill_scores_pairs's product on tiles: s[r][0..n32) = scale * q[r] .
 // kp[.][0..n32) for `rows` query rows, 16 rows by 32 keys a time. K's pairs are already the layout
 // of tdpbf16ps's second operand (a tile row is one pair of dimensions of 16 keys), and a query row
-// of `pairs` words is its first. The products are exact and summed in float32, as dpbf16ps sums
-// them. False (nothing written) where tiles are not permitted or pairs is not a multiple of 16.
-inline bool amx_pair_scores(const uint32_t* q, int64_t q_stride, int64_t pairs, int64_t rows, const uint32_t* kp,
+// of `pairs` words (a multiple of 16) is its first. The products are exact and summed in float32,
+// as dpbf16ps sums them. Only where amx_attention says so.
+inline void amx_pair_scores(const uint32_t* q, int64_t q_stride, int64_t pairs, int64_t rows, const uint32_t* kp,
                             int64_t kp_stride, int64_t n32, float scale, float* s, int64_t s_stride) {
-  if (pairs % 16 != 0 || !amx_permitted()) return false;
   int configured = 0;
   for (int64_t r = 0; r < rows; r += 16) {
     const int rows_here = static_cast<int>(std::min<int64_t>(16, rows - r));
@@ -1265,24 +1264,10 @@ inline bool amx_pair_scores(const uint32_t* q, int64_t q_stride, int64_t pairs, 
   if (configured) _tile_release();
   const __m512 f = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < n32; j += 16) _mm512_storeu_ps(s + r * s_stride + j, _mm512_mul_ps(f, _mm512_loadu_ps(s + r * s_stride + j)));
-  return true;
+    for (int64_t j = 0; j < n32; j += 16)
+      _mm512_storeu_ps(s + r * s_stride + j, _mm512_mul_ps(f, _mm512_loadu_ps(s + r * s_stride + j)));
 }
 #endif
-
-// The scores of `rows` query rows for n32 keys on AMX tiles where T and the CPU have them
-// (amx_pair_scores); false where they do not, and the caller takes prefill_score_tile.
-template <typename T>
-inline bool amx_score_rows(const float* q, int64_t head_dim, int64_t rows, const float* kt, int64_t kt_stride,
-                           int64_t n32, float scale, float* s, int64_t s_stride) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  if constexpr (kPairScores<T>)
-    return amx_pair_scores(reinterpret_cast<const uint32_t*>(q), head_dim, head_dim / 2, rows,
-                           reinterpret_cast<const uint32_t*>(kt), kt_stride, n32, scale, s, s_stride);
-#endif
-  (void)q, (void)head_dim, (void)rows, (void)kt, (void)kt_stride, (void)n32, (void)scale, (void)s, (void)s_stride;
-  return false;
-}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // o[r] += sum_j p[r][j] v[j] for `rows` rows and n32 keys on AMX tiles, D = 16 C. Each
@@ -1521,7 +1506,12 @@ void prefill_attention_avx512(const T* q, int64_t q_stride, const T* k_cache, co
       for (int64_t c0 = 0; c0 < context; c0 += kPrefillKeyChunk) {
         const int64_t n = std::min(kPrefillKeyChunk, context - c0), n32 = (n + 31) / 32 * 32;
         float* sc = scores.data();
-        if (!(tiles && amx_score_rows<T>(qs.data(), D, rows, kt + c0, padded[s], n32, scale, sc, kPrefillKeyChunk)))
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+        if (tiles)  // bfloat16 pairs (kPairScores), as prefill_score_tile reads them
+          amx_pair_scores(reinterpret_cast<const uint32_t*>(qs.data()), D, D / 2, rows,
+                          reinterpret_cast<const uint32_t*>(kt + c0), padded[s], n32, scale, sc, kPrefillKeyChunk);
+        else
+#endif
         for (int64_t j = 0; j < n32; j += 32) {
           int64_t r = 0;
           for (; r + 6 <= rows; r += 6)
