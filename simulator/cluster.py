@@ -143,6 +143,7 @@ class _WithOverhead:
 
     def __init__(self, model: Any, overhead_s: float) -> None:
         self.model, self.overhead_s = model, overhead_s
+        self.idle_wake_s = getattr(model, "idle_wake_s", 0.0)
 
     def predict(self, batch: Any) -> float:
         return self.model.predict(batch) + self.overhead_s

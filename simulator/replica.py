@@ -39,7 +39,7 @@ SAMPLED_TOKEN = 1
 
 class SimulatedRunner:
     """The engine's ModelRunner with the forward replaced: no tensors, no model. The replica asks
-    step_time_s(batch) for how long a step takes; execute() returns SAMPLED_TOKEN for every
+    step_time_s(batch, after_idle) for how long a step takes; execute() returns SAMPLED_TOKEN for every
     sequence that samples."""
 
     tokenizer = None
@@ -51,13 +51,15 @@ class SimulatedRunner:
         self.num_kv_blocks = limits.num_kv_blocks
         self.max_model_len = limits.max_model_len
         self.step_model = step_model
+        # What the first step after an idle spell costs beyond its shape (a model may leave it out).
+        self.idle_wake_s = float(getattr(step_model, "idle_wake_s", 0.0))
         # Simulated seconds of the steps predicted so far.
         self.forward_time_s = 0.0
         self.execute_time_s = 0.0
         self.load_times_s: dict[str, float] = {}
 
-    def step_time_s(self, batch: SchedulerOutput) -> float:
-        duration_s = self.step_model.predict(batch)
+    def step_time_s(self, batch: SchedulerOutput, after_idle: bool = False) -> float:
+        duration_s = self.step_model.predict(batch) + (self.idle_wake_s if after_idle else 0.0)
         self.forward_time_s += duration_s
         self.execute_time_s += duration_s
         return duration_s
@@ -160,7 +162,7 @@ class SimReplica:
         self._requests[bench.request_id] = request
         self._awaiting_first[bench.request_id] = engine_request
         if not self.stepping:
-            self._step()
+            self._step(after_idle=True)
 
     def _end(self, request: SimRequest, status: int, error: str) -> None:
         request.result.status = status
@@ -173,13 +175,13 @@ class SimReplica:
 
     # ---- the step loop ----------------------------------------------------------------------
 
-    def _step(self) -> None:
+    def _step(self, after_idle: bool = False) -> None:
         batch = self.engine.schedule()
         if batch.is_empty:
             self.stepping = False
             return
         self.stepping = True
-        duration_s = self.runner.step_time_s(batch)
+        duration_s = self.runner.step_time_s(batch, after_idle)
         self.counters.busy_s += duration_s
         self.loop.after(duration_s, self._step_done, batch)
 

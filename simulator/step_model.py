@@ -3,7 +3,7 @@
     python -m simulator.step_model --model tiny --out tiny-cpu.json [--quick]   # measure and fit
     python -m simulator.step_model --llama3-8b-h100 --out llama3-8b-h100.json   # first principles
 
-A step's time is linear in six features of its SchedulerOutput, every coefficient >= 0:
+A step's time is linear in seven features of its SchedulerOutput, every coefficient >= 0:
 
     t = base_s                                  weights streamed once, launches, input prep
       + prefill_token_s     * prefill_tokens    matmul rows of prompt chunks
@@ -13,6 +13,10 @@ A step's time is linear in six features of its SchedulerOutput, every coefficien
       + multi_row_s         * (tokens >= 2)     a step of more than one row: on some CPUs a
                                                 one-row matmul takes a faster path
                                                 (docs/simulator.md, 'Step-time profiles')
+      + idle_wake_s         * after_idle        the first step after the engine had nothing to
+                                                do: its OpenMP threads asleep, its caches cold
+                                                (docs/simulator.md, 'Validation against the real
+                                                engine')
 
 Non-negative coefficients make the model monotone: more work never predicts less time. They are
 fitted by non-negative least squares on relative error (each row divided by its measured time), so
@@ -37,7 +41,8 @@ from typing import Any
 
 import numpy as np
 
-COEFFICIENTS = ("base_s", "prefill_token_s", "decode_seq_s", "context_token_s", "prefill_attention_s", "multi_row_s")
+COEFFICIENTS = ("base_s", "prefill_token_s", "decode_seq_s", "context_token_s", "prefill_attention_s", "multi_row_s",
+                "idle_wake_s")
 FORMAT_VERSION = 1
 
 
@@ -52,24 +57,26 @@ class StepFeatures:
     # Sum over chunks of n * (start + n / 2): the (query, key) pairs of their causal attention.
     prefill_attention: float
     num_seqs: int
+    # The engine had nothing to do before this step (it slept until a request came).
+    after_idle: bool = False
 
     def row(self) -> list[float]:
         """The design-matrix row, in COEFFICIENTS order (1 for base_s)."""
         return [1.0, self.prefill_tokens, self.decode_seqs, self.context_tokens, self.prefill_attention,
-                1.0 if self.prefill_tokens + self.decode_seqs >= 2 else 0.0]
+                1.0 if self.prefill_tokens + self.decode_seqs >= 2 else 0.0, 1.0 if self.after_idle else 0.0]
 
     def to_dict(self) -> dict[str, float]:
         return {"prefill_tokens": self.prefill_tokens, "decode_seqs": self.decode_seqs,
                 "context_tokens": self.context_tokens, "prefill_attention": self.prefill_attention,
-                "num_seqs": self.num_seqs}
+                "num_seqs": self.num_seqs, "after_idle": self.after_idle}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepFeatures:
         return cls(int(data["prefill_tokens"]), int(data["decode_seqs"]), int(data["context_tokens"]),
-                   float(data["prefill_attention"]), int(data["num_seqs"]))
+                   float(data["prefill_attention"]), int(data["num_seqs"]), bool(data.get("after_idle", False)))
 
 
-def features(batch: Any) -> StepFeatures:
+def features(batch: Any, after_idle: bool = False) -> StepFeatures:
     """The features of a model_worker.sched.batch.SchedulerOutput: one pass over its sequences."""
     prefill_tokens = decode_seqs = context_tokens = 0
     prefill_attention = 0.0
@@ -82,7 +89,7 @@ def features(batch: Any) -> StepFeatures:
         else:
             prefill_tokens += num_tokens
             prefill_attention += num_tokens * (start + 0.5 * num_tokens)
-    return StepFeatures(prefill_tokens, decode_seqs, context_tokens, prefill_attention, len(batch.sequences))
+    return StepFeatures(prefill_tokens, decode_seqs, context_tokens, prefill_attention, len(batch.sequences), after_idle)
 
 
 @dataclass(slots=True)
@@ -93,6 +100,7 @@ class StepTimeModel:
     context_token_s: float
     prefill_attention_s: float
     multi_row_s: float = 0.0
+    idle_wake_s: float = 0.0
     # What the coefficients describe: a model name, "cpu" or "cuda" (or a device class such as
     # "h100"), the resolved dtype.
     model: str = ""
@@ -118,16 +126,17 @@ class StepTimeModel:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
-    def predict(self, batch: Any) -> float:
+    def predict(self, batch: Any, after_idle: bool = False) -> float:
         """Seconds the step of this SchedulerOutput takes; 0 for an empty one (no step runs)."""
-        return self.predict_features(features(batch))
+        return self.predict_features(features(batch, after_idle))
 
     def predict_features(self, f: StepFeatures) -> float:
         if f.num_seqs == 0:
             return 0.0
         return (self.base_s + self.prefill_token_s * f.prefill_tokens + self.decode_seq_s * f.decode_seqs
                 + self.context_token_s * f.context_tokens + self.prefill_attention_s * f.prefill_attention
-                + (self.multi_row_s if f.prefill_tokens + f.decode_seqs >= 2 else 0.0))
+                + (self.multi_row_s if f.prefill_tokens + f.decode_seqs >= 2 else 0.0)
+                + (self.idle_wake_s if f.after_idle else 0.0))
 
     def fit_error(self, samples: list[tuple[StepFeatures, float]]) -> dict[str, Any]:
         errors = np.array([abs(self.predict_features(f) - s) / s for f, s in samples])
@@ -432,12 +441,17 @@ def llama3_8b_h100_profile() -> StepTimeModel:
                          created=datetime.date.today().isoformat(), details=details)
 
 
+# A gap between two steps longer than this is the engine idle: busy, the host takes ~0.1 ms between them.
+IDLE_GAP_S = 1e-3
+
+
 def measure_trace_steps(model: str | None, *, num_requests: int = 120, rate: float = 3.0, seed: int = 101,
                         device: str = "cpu", dtype: str = "auto", num_threads: int | None = None,
                         log=print) -> list[tuple[StepFeatures, float]]:
     """(features, seconds) of every step the real engine runs on Azure-trace requests: the mixes
     of chunks, decodes and contexts a grid does not cover (a grid of uniform shapes measured a
-    mixed step 23% fast on the tiny model). The runner's execute() is timed, as in the grid."""
+    mixed step 23% fast on the tiny model), and the steps that start an idle engine again, which
+    a grid timed hot never has. The runner's execute() is timed, as in the grid."""
     from contracts.sampling import SamplingParams
     from loadtest import workloads as wl
     from loadtest.engine_driver import run_engine
@@ -450,11 +464,14 @@ def measure_trace_steps(model: str | None, *, num_requests: int = 120, rate: flo
     runner = engine.runner
     execute = runner.execute
     samples: list[tuple[StepFeatures, float]] = []
+    ended_s = [-math.inf]
 
     def timed(batch: Any) -> list[int]:
         started_s = time.perf_counter()
         tokens = execute(batch)
-        samples.append((features(batch), time.perf_counter() - started_s))
+        now_s = time.perf_counter()
+        samples.append((features(batch, after_idle=started_s - ended_s[0] > IDLE_GAP_S), now_s - started_s))
+        ended_s[0] = now_s
         return tokens
 
     runner.execute = timed

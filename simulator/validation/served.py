@@ -87,6 +87,7 @@ class PaddedStepModel:
         if not (pad_s >= 0 and math.isfinite(pad_s)):
             raise ValueError(f"pad_s must be a finite number >= 0, got {pad_s!r}")
         self.model, self.pad_s = model, pad_s
+        self.idle_wake_s = getattr(model, "idle_wake_s", 0.0)
 
     def predict(self, batch: Any) -> float:
         if not batch.sequences:

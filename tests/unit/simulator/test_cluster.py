@@ -104,6 +104,30 @@ def test_one_request_takes_the_steps_the_real_scheduler_gives_it():
     assert run.counters["steps"] == 6 and steps.num_steps == 6
 
 
+class WakingSteps(FixedSteps):
+    """FixedSteps whose first step after an idle spell costs idle_wake_s more."""
+
+    def __init__(self, base_s: float, idle_wake_s: float) -> None:
+        super().__init__(base_s)
+        self.idle_wake_s = idle_wake_s
+
+
+def test_only_a_step_that_starts_an_idle_replica_pays_its_wake():
+    """Two requests apart (each finds the replica idle) and a third arriving while the second
+    runs (it joins a busy replica): the first steps of the two apart are late by the wake, the
+    third's is not, and no busy step pays it."""
+    steps = WakingSteps(base_s=0.02, idle_wake_s=0.005)
+    limits = scheduler_config(max_num_batched_tokens=512)
+    workload = [one_request(16, 3, 0.0, "a"), one_request(16, 3, 1.0, "b"), one_request(16, 3, 1.03, "c")]
+    by_id = {r.request_id: r for r in SimCluster(ClusterConfig(scheduler=limits), steps).run(workload).results}
+    assert by_id["a"].ttft_s == pytest.approx(0.025)
+    assert by_id["a"].e2e_s == pytest.approx(0.025 + 2 * 0.02)
+    assert by_id["b"].ttft_s == pytest.approx(0.025)
+    assert by_id["c"].ttft_s == pytest.approx(1.065 - 1.03)  # joins b's third step, at 1.045
+    plain = {r.request_id: r for r in SimCluster(ClusterConfig(scheduler=limits), FixedSteps(0.02)).run(workload).results}
+    assert plain["a"].ttft_s == pytest.approx(0.02)
+
+
 def test_continuous_batching_lets_a_short_request_finish_first():
     steps = FixedSteps(base_s=0.01)
     workload = [one_request(16, 200, 0.0, "long"), one_request(16, 3, 0.05, "short")]

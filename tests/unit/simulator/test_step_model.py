@@ -194,3 +194,35 @@ def test_fit_finds_the_extra_cost_of_a_step_of_more_than_one_row():
     model = fit(samples)
     assert model.multi_row_s == pytest.approx(0.07, rel=0.05)
     assert model.fit["max_rel_error"] < 0.01
+
+
+def test_fit_finds_what_the_first_step_after_an_idle_spell_costs():
+    """An engine that slept wakes its threads and finds its caches cold: the same step costs more
+    after idling than in a busy run. Without the feature the fit spreads it over prompt tokens."""
+    from simulator.step_model import StepFeatures, fit
+
+    def step_s(tokens: int, after_idle: bool) -> float:
+        return 0.001 + 1e-5 * tokens + (0.0015 if after_idle else 0.0)
+
+    samples = [(StepFeatures(t, 0, 0, t * t / 2, 1, after_idle), step_s(t, after_idle))
+               for t in (16, 32, 64, 128, 256) for after_idle in (False, True)]
+    samples += [(StepFeatures(0, n, 100 * n, 0.0, n), 0.001 + 2e-6 * n) for n in (1, 4, 16)]
+    model = fit(samples)
+    assert model.idle_wake_s == pytest.approx(0.0015, rel=0.05)
+    assert model.fit["max_rel_error"] < 0.05
+    assert model.predict_features(StepFeatures(20, 0, 0, 200.0, 1, True)) > model.predict_features(StepFeatures(20, 0, 0, 200.0, 1))
+
+
+def test_a_profile_keeps_its_idle_wake_and_an_older_one_reads_as_none(tmp_path):
+    from simulator.step_model import StepFeatures, StepTimeModel
+
+    model = StepTimeModel(0.001, 1e-5, 2e-6, 0.0, 0.0, idle_wake_s=0.002,
+                          points=[(StepFeatures(16, 0, 0, 128.0, 1, True), 0.0032)])
+    model.save(tmp_path / "p.json")
+    again = StepTimeModel.load(tmp_path / "p.json")
+    assert again.idle_wake_s == 0.002 and again.points[0][0].after_idle
+    data = model.to_dict()
+    del data["coefficients"]["idle_wake_s"]
+    del data["points"][0]["after_idle"]
+    older = StepTimeModel.from_dict(data)
+    assert older.idle_wake_s == 0.0 and not older.points[0][0].after_idle
