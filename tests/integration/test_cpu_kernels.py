@@ -459,12 +459,13 @@ def test_kernels_from_refuses_a_source_that_does_not_build_or_lacks_a_function(s
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 40, 300, 529])
-@pytest.mark.parametrize("out_features, in_features", [(960, 576), (16, 100), (80, 30), (49152, 64)])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (16, 100), (80, 30), (80, 64), (49152, 64)])
 def test_panel_linear_matches_a_float64_matmul_with_bias_and_residual(dtype, rows, out_features, in_features):
     """Row counts that leave a partial group of eight (and, on AMX, of sixteen) rows, and past one
     block of kPanelRowBlock rows (300, 529: a partial block, a partial group in it), feature counts
-    that leave a partial group of three panels, input widths that are not a multiple of AMX's 32
-    (the AVX-512 path then); the sum in float32, rounded once to the dtype."""
+    that leave a partial group of three panels (80: on the AVX-512 path and on AMX's), input widths
+    that are not a multiple of AMX's 32 (the AVX-512 path then); the sum in float32, rounded once
+    to the dtype."""
     if not ops.has_panel_linear(dtype):
         pytest.skip("panel_linear needs AVX-512 with BW")
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
