@@ -71,6 +71,20 @@ def test_decode_attention_matches_torch(dtype, atol, num_heads, num_kv_heads, he
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("dtype, atol", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 12, 128])
+def test_decode_attention_of_a_large_batch_matches_torch_at_any_block_size(dtype, atol, block_size):
+    """Enough parts a thread that each is loaded into L2 before it is computed (the burst's steps),
+    over blocks that a 16-position tile does not divide (12) or that hold many tiles (128)."""
+    context_lens = [290] * 16 + [1, 700, 47]
+    q, k_cache, v_cache, layout = paged_decode_case(len(context_lens), context_lens, 9, 3, 64, block_size, dtype)
+    rows = ops.DecodeRows.of(layout.query_starts[:-1], layout.block_tables, layout.context_lens, block_size)
+    out = torch.empty_like(q)
+    ops.decode_attention(q, k_cache, v_cache, rows, out, 64 ** -0.5)
+    expected = torch_decode(q, k_cache, v_cache, layout, 64 ** -0.5)
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
+
+
 def test_decode_attention_reads_q_rows_through_their_stride_and_writes_only_its_rows():
     """q may be a view into the q/k/v projection, and rows not listed stay as they were."""
     q, k_cache, v_cache, layout = paged_decode_case(2, [20, 40], 9, 3, 64, 16, torch.float32)

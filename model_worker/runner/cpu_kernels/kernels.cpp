@@ -199,31 +199,59 @@ inline void from_pair_order(float* p) {
 // accumulators in registers: the range is walked 16 positions at a time, and within each tile every
 // kv head in turn (the tile's slots, all kv heads, are contiguous in the cache: read front to back,
 // not one stride per kv head), first K for the scores of the 16 positions (their 16 dot products
-// summed across lanes together), then, after the exponentials, V weighted by them. The next tile's
-// slots are prefetched while one is computed: a block's successor can lie anywhere in the cache,
-// where the hardware's prefetchers, which stop at page boundaries, do not follow.
+// summed across lanes together), then, after the exponentials, V weighted by them.
+//
+// Before each of the two, one pass of plain loads over the range's K (then V) slots brings them into
+// L2 (a range is at most ops.SPLIT_LEN = 256 positions: 96 KB of K for SmolLM2 in bfloat16, 1 MB
+// for 8 kv heads of 128 in float32). A loop that only loads
+// keeps as many misses in flight as the core can track; the compute loops, with their hundreds of
+// instructions between two slots, kept a few, and prefetch instructions a tile ahead changed
+// nothing measurable. 64 rows at 290 positions over 30 layers' caches: 48 ms a step with the
+// prefetches, 33 with the pass; a plain read of the same 6 KB blocks in random order runs at
+// 19 GB/s on this machine, the kernel read them at 9 (docs/benchmarks.md, thirteenth pass).
 template <typename T, int G, int C>
 void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* blocks, int64_t num_kv_heads,
                         int64_t block_size, const float* query, const T* raw_query, float scale, int64_t begin,
-                        int64_t end, float* scores, float* row_max, float* denom, float* acc) {
+                        int64_t end, float* scores, float* row_max, float* denom, float* acc, bool touch) {
   constexpr int64_t D = 16 * C;
   constexpr bool pairs = kPairScores<T> && C % 2 == 0;
   const int64_t len = end - begin, slot_stride = num_kv_heads * D, num_heads = num_kv_heads * G;
-  auto slot = [&](const T* cache, int64_t pos) {
-    return cache + (blocks[pos / block_size] * block_size + pos % block_size) * slot_stride;
-  };
+  // Each position's slot, once: the K and V passes and the prefetches all read it, and a division
+  // by the block size for each of them was a fifth of the kernel's time.
+  thread_local std::vector<int64_t> offsets;
+  offsets.resize(len);
+  for (int64_t i = 0, block = begin / block_size, within = begin % block_size; i < len; ++i) {
+    offsets[i] = (blocks[block] * block_size + within) * slot_stride;
+    if (++within == block_size) {
+      within = 0;
+      ++block;
+    }
+  }
+  auto slot = [&](const T* cache, int64_t pos) { return cache + offsets[pos - begin]; };
   auto prefetch_tile = [&](const T* cache, int64_t tile) {
-    const int64_t stop = std::min<int64_t>(tile + 16, end);
-    const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
-    for (int64_t pos = tile; pos < stop; ++pos) {
+    for (int64_t pos = tile; pos < std::min<int64_t>(tile + 16, end); ++pos) {
       const char* p = reinterpret_cast<const char*>(slot(cache, pos));
-      for (int64_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+      for (int64_t b = 0; b < slot_stride * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
     }
   };
-  for (int64_t h = 0; h < num_heads; ++h) row_max[h] = -std::numeric_limits<float>::infinity();
-  prefetch_tile(k_cache, begin);
+  const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
+  // With `touch`, every slot of the range in one cache, line by line, into L2, before the pass that
+  // reads it; without, each tile's slots are prefetched while the one before is computed.
+  auto load_range = [&](const T* cache) {
+    if (!touch) {
+      prefetch_tile(cache, begin);
+      return;
+    }
+    __m512i seen = _mm512_setzero_si512();
+    for (int64_t i = 0; i < len; ++i) {
+      const char* p = reinterpret_cast<const char*>(cache + offsets[i]);
+      for (int64_t b = 0; b < slot_bytes; b += 64) seen = _mm512_or_si512(seen, _mm512_loadu_si512(p + b));
+    }
+    asm volatile("" : : "v"(seen));  // the loads are the point: keep them
+  };
+  load_range(k_cache);
   for (int64_t tile = begin; tile < end; tile += 16) {
-    prefetch_tile(k_cache, tile + 16);
+    if (!touch) prefetch_tile(k_cache, tile + 16);
     const int n = static_cast<int>(std::min<int64_t>(16, end - tile));
     const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xffffu : (1u << n) - 1u);
     for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
@@ -270,11 +298,20 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
         const int64_t h = kv * G + g;
         const __m512 s = pairs ? _mm512_mul_ps(reduce16(dots[g]), _mm512_set1_ps(scale)) : reduce16(dots[g]);
         _mm512_mask_storeu_ps(scores + h * len + (tile - begin), valid, s);
-        row_max[h] = std::max(row_max[h], _mm512_mask_reduce_max_ps(valid, s));
       }
     }
   }
-  prefetch_tile(v_cache, begin);
+  // Each head's maximum over the stored scores, in one pass: a reduction to a float per tile and
+  // head was a serial chain through row_max.
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const float* sh = scores + h * len;
+    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 valid = static_cast<__mmask16>(len - i >= 16 ? 0xffffu : (1u << (len - i)) - 1u);
+      m = _mm512_mask_max_ps(m, valid, m, _mm512_maskz_loadu_ps(valid, sh + i));
+    }
+    row_max[h] = _mm512_reduce_max_ps(m);
+  }
   for (int64_t h = 0; h < num_heads; ++h) {
     float* sh = scores + h * len;
     const __m512 m = _mm512_set1_ps(row_max[h]);
@@ -288,8 +325,9 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
     denom[h] = _mm512_reduce_add_ps(total);
   }
   std::fill(acc, acc + num_heads * D, 0.f);
+  load_range(v_cache);
   for (int64_t tile = begin; tile < end; tile += 16) {
-    prefetch_tile(v_cache, tile + 16);
+    if (!touch) prefetch_tile(v_cache, tile + 16);
     const int64_t stop = std::min<int64_t>(tile + 16, end);
     for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
       __m512 out[G][C];
@@ -313,7 +351,7 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
 
 template <typename T>
 using DecodePartFn = void (*)(const T*, const T*, const int64_t*, int64_t, int64_t, const float*, const T*, float,
-                              int64_t, int64_t, float*, float*, float*, float*);
+                              int64_t, int64_t, float*, float*, float*, float*, bool);
 
 // The register-resident variant for this head shape, or nullptr.
 template <typename T>
@@ -337,6 +375,8 @@ struct DecodePart {
   const T* v_cache;
   const int64_t* blocks;
   int64_t num_heads, num_kv_heads, head_dim, block_size;
+  // Load each range's K and V into L2 before computing on them (decode_part_avx512).
+  bool touch;
 
   const T* slot(const T* cache, int64_t pos) const {
     return cache + (blocks[pos / block_size] * block_size + pos % block_size) * num_kv_heads * head_dim;
@@ -351,7 +391,7 @@ struct DecodePart {
 #if defined(__AVX512F__)
     if (const DecodePartFn<T> fast = decode_part_for<T>(group, head_dim)) {
       fast(k_cache, v_cache, blocks, num_kv_heads, block_size, query, raw_query, scale, begin, end, scores, row_max,
-           denom, acc);
+           denom, acc, touch);
       return;
     }
 #endif
@@ -445,6 +485,8 @@ struct DecodePart {
 // being those of kv head h / (num_heads / num_kv_heads), as transformers' repeat_kv assigns them.
 // A row's context is cut into parts of at most split_len positions, so that a few long rows still
 // keep every thread busy; the parts of a row are combined by their maxima (flash-decoding).
+constexpr int64_t kTouchPartsPerThread = 4;
+
 template <typename T>
 void decode_attention(const T* q, int64_t q_token_stride, const T* k_cache, const T* v_cache,
                       const int64_t* token_rows, const int64_t* block_tables, int64_t block_table_stride,
@@ -455,6 +497,11 @@ void decode_attention(const T* q, int64_t q_token_stride, const T* k_cache, cons
   std::vector<int64_t> first_part(num_rows + 1, 0);
   for (int64_t i = 0; i < num_rows; ++i) first_part[i + 1] = first_part[i] + (context_lens[i] + split_len - 1) / split_len;
   const int64_t num_parts = first_part[num_rows];
+  // Many parts a thread: the step reads far more K/V than the caches hold, and a pass of plain loads
+  // before each part's compute fetches it about twice as fast (decode_part_avx512). A few parts: the
+  // prefetches that overlap fetch and compute were as fast or faster (float32, 1-2 rows at 300
+  // positions: 4-10%). Measured on SmolLM2's heads (docs/benchmarks.md, thirteenth pass).
+  const bool touch = num_parts >= kTouchPartsPerThread * omp_get_max_threads();
   // Per part: the max and denominator of each head, then its accumulator; only split rows use it.
   const int64_t part_floats = num_heads * (2 + head_dim);
   std::vector<float> partials(num_parts > num_rows ? num_parts * part_floats : 0);
@@ -476,7 +523,7 @@ void decode_attention(const T* q, int64_t q_token_stride, const T* k_cache, cons
     for (int64_t e = 0; e < num_heads * head_dim; ++e) scratch.query[e] = to_float(q_row[e]) * scale;
     float* result = whole ? scratch.own.data() : partials.data() + part * part_floats;
     DecodePart<T>{k_cache, v_cache, block_tables + i * block_table_stride, num_heads, num_kv_heads, head_dim,
-                  block_size}
+                  block_size, touch}
         .run(scratch.query.data(), q_row, scale, begin, end, scratch.scores.data(), scratch.row.data(), result,
              result + num_heads, result + 2 * num_heads);
     if (whole) {
