@@ -201,14 +201,15 @@ inline void from_pair_order(float* p) {
 // not one stride per kv head), first K for the scores of the 16 positions (their 16 dot products
 // summed across lanes together), then, after the exponentials, V weighted by them.
 //
-// Before each of the two, one pass of plain loads over the range's K (then V) slots brings them into
-// L2 (a range is at most ops.SPLIT_LEN = 256 positions: 96 KB of K for SmolLM2 in bfloat16, 1 MB
-// for 8 kv heads of 128 in float32). A loop that only loads
-// keeps as many misses in flight as the core can track; the compute loops, with their hundreds of
-// instructions between two slots, kept a few, and prefetch instructions a tile ahead changed
-// nothing measurable. 64 rows at 290 positions over 30 layers' caches: 48 ms a step with the
-// prefetches, 33 with the pass; a plain read of the same 6 KB blocks in random order runs at
-// 19 GB/s on this machine, the kernel read them at 9 (docs/benchmarks.md, thirteenth pass).
+// With `touch`, before each of the two, one pass of plain loads over the range's K (then V) slots
+// brings them into L2 (a range is at most ops.SPLIT_LEN = 256 positions: 96 KB of K for SmolLM2 in
+// bfloat16, 1 MB for 8 kv heads of 128 in float32). A loop that only loads keeps as many misses in
+// flight as the core can track; the compute loops, with their hundreds of instructions between two
+// slots, kept few, and prefetch instructions a tile ahead changed nothing measurable. 64 rows at
+// 290 positions over 30 layers' caches: 48 ms a step with the prefetches, 33 with the pass; a
+// plain read of the same 6 KB blocks in random order runs at 19 GB/s on this machine, the kernel
+// read them at 9 (docs/benchmarks.md, thirteenth pass). Without `touch` (a step of few parts), each
+// tile's slots are prefetched while the one before is computed.
 template <typename T, int G, int C>
 void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* blocks, int64_t num_kv_heads,
                         int64_t block_size, const float* query, const T* raw_query, float scale, int64_t begin,
@@ -216,8 +217,8 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
   constexpr int64_t D = 16 * C;
   constexpr bool pairs = kPairScores<T> && C % 2 == 0;
   const int64_t len = end - begin, slot_stride = num_kv_heads * D, num_heads = num_kv_heads * G;
-  // Each position's slot, once: the K and V passes and the prefetches all read it, and a division
-  // by the block size for each of them was a fifth of the kernel's time.
+  // Each position's slot, once: the load passes, the K and V passes and the prefetches all read it
+  // (it was a division by the block size each time).
   thread_local std::vector<int64_t> offsets;
   offsets.resize(len);
   for (int64_t i = 0, block = begin / block_size, within = begin % block_size; i < len; ++i) {
@@ -228,15 +229,15 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
     }
   }
   auto slot = [&](const T* cache, int64_t pos) { return cache + offsets[pos - begin]; };
+  const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
   auto prefetch_tile = [&](const T* cache, int64_t tile) {
     for (int64_t pos = tile; pos < std::min<int64_t>(tile + 16, end); ++pos) {
       const char* p = reinterpret_cast<const char*>(slot(cache, pos));
-      for (int64_t b = 0; b < slot_stride * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+      for (int64_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
     }
   };
-  const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
-  // With `touch`, every slot of the range in one cache, line by line, into L2, before the pass that
-  // reads it; without, each tile's slots are prefetched while the one before is computed.
+  // With `touch`, every slot of the range in one cache, line by line, into L2; without, the first
+  // tile's prefetches (the passes prefetch the rest a tile ahead).
   auto load_range = [&](const T* cache) {
     if (!touch) {
       prefetch_tile(cache, begin);
@@ -480,13 +481,15 @@ struct DecodePart {
   }
 };
 
+// A step of at least this many parts a thread loads each part's K and V into L2 before computing
+// on them (decode_part_avx512's `touch`; decode_attention says why).
+constexpr int64_t kTouchPartsPerThread = 4;
+
 // Decode attention over the paged cache, read in place: one query token per row, and for each of
 // its query heads a softmax over every cached position of its sequence, the K/V of query head h
 // being those of kv head h / (num_heads / num_kv_heads), as transformers' repeat_kv assigns them.
 // A row's context is cut into parts of at most split_len positions, so that a few long rows still
 // keep every thread busy; the parts of a row are combined by their maxima (flash-decoding).
-constexpr int64_t kTouchPartsPerThread = 4;
-
 template <typename T>
 void decode_attention(const T* q, int64_t q_token_stride, const T* k_cache, const T* v_cache,
                       const int64_t* token_rows, const int64_t* block_tables, int64_t block_table_stride,
