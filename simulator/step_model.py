@@ -126,9 +126,10 @@ class StepTimeModel:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
-    def predict(self, batch: Any, after_idle: bool = False) -> float:
-        """Seconds the step of this SchedulerOutput takes; 0 for an empty one (no step runs)."""
-        return self.predict_features(features(batch, after_idle))
+    def predict(self, batch: Any) -> float:
+        """Seconds the step of this SchedulerOutput takes, hot; 0 for an empty one (no step runs).
+        The first step after an idle spell costs idle_wake_s more (simulator/replica.py adds it)."""
+        return self.predict_features(features(batch))
 
     def predict_features(self, f: StepFeatures) -> float:
         if f.num_seqs == 0:

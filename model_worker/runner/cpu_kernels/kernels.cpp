@@ -231,7 +231,8 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
   auto slot = [&](const T* cache, int64_t pos) { return cache + offsets[pos - begin]; };
   const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
   auto prefetch_tile = [&](const T* cache, int64_t tile) {
-    for (int64_t pos = tile; pos < std::min<int64_t>(tile + 16, end); ++pos) {
+    const int64_t stop = std::min<int64_t>(tile + 16, end);
+    for (int64_t pos = tile; pos < stop; ++pos) {
       const char* p = reinterpret_cast<const char*>(slot(cache, pos));
       for (int64_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
     }
