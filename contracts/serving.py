@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from contracts.priority import Priority
 from contracts.sampling import SamplingParams
@@ -38,9 +38,25 @@ class GenerateRequest:
     # Written by the request router in the caller's process: the replica it chose for the latest
     # attempt, so that a caller whose attempt hung before any reply knows which replica to avoid.
     routed_replica_id: str | None = None
+    # Where the replica sends this request's chunks after the admission chunk, when it runs on the
+    # caller's node (deployments/token_channel.py); None: every chunk comes back over Ray's stream.
+    token_channel: TokenChannelAddress | None = None
 
     def __post_init__(self) -> None:
         self.priority = Priority.parse(self.priority)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChannelAddress:
+    """A caller's token channel, for one attempt of one request: a loopback listener on the caller's
+    Ray node, the secret a connection must open with, and the key that marks this attempt's chunks."""
+
+    host: str
+    port: int
+    # Ray's node id of the caller: only a replica on the same node can reach a loopback listener.
+    node_id: str
+    secret: str
+    key: str
 
 
 @dataclass(slots=True)
@@ -99,6 +115,9 @@ class GenerationChunk:
     # No progress, only proof of life: the replica and its engine loop are working (sent about
     # once a second while a request waits), so a caller can tell a slow request from a dead replica.
     keepalive: bool = False
+    # On the admission chunk: the chunks after it come over the request's token channel, not this
+    # stream (which then ends once the last of them was sent).
+    via_channel: bool = False
 
     def extend(self, later: "GenerationChunk") -> None:
         """Fold a later chunk of the same request into this one: texts and tokens add up, the rest
@@ -118,6 +137,29 @@ class GenerationChunk:
         self.replica_id = later.replica_id or self.replica_id
 
 
+def chunk_to_wire(chunk: GenerationChunk) -> list:
+    """The chunk as plain JSON values, field by field in declaration order (timings as a list too)."""
+    values = [getattr(chunk, f.name) for f in fields(GenerationChunk)]
+    timings = chunk.timings
+    if timings is not None:
+        values[_TIMINGS_FIELD] = [getattr(timings, f.name) for f in fields(RequestTimings)]
+    return values
+
+
+def chunk_from_wire(values: list) -> GenerationChunk:
+    """The inverse of chunk_to_wire; ValueError for anything else."""
+    if not isinstance(values, list) or len(values) != len(_CHUNK_FIELDS):
+        raise ValueError(f"a chunk on the wire is a list of {len(_CHUNK_FIELDS)} values")
+    timings = values[_TIMINGS_FIELD]
+    try:
+        if timings is not None:
+            values = [*values]
+            values[_TIMINGS_FIELD] = RequestTimings(*timings)
+        return GenerationChunk(*values)
+    except TypeError as exc:
+        raise ValueError(f"not a chunk: {exc}") from None
+
+
 @dataclass(slots=True)
 class ModelInfo:
     """What the ingress needs to know about the model a replica serves."""
@@ -129,6 +171,10 @@ class ModelInfo:
     eos_token_ids: list[int]
     # Unix time the replica loaded the model (the OpenAI `created` field).
     created: int
+
+
+_CHUNK_FIELDS = [f.name for f in fields(GenerationChunk)]
+_TIMINGS_FIELD = _CHUNK_FIELDS.index("timings")
 
 
 async def whole_response(request_id: str, chunks: AsyncIterator[GenerationChunk]) -> GenerationChunk:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
@@ -25,6 +26,7 @@ from deployments.handle_backend import HandleBackend
 from deployments.ingress_admission import IngressAdmission
 from deployments.llm_server import MAX_STREAM_INTERVAL_S, STREAM_CHUNKS_PER_S, LLMServer
 from deployments.retry_policy import RetryPolicy
+from deployments.token_channel import TokenChannelServer
 
 LLM_SERVER = "LLMServer"
 INGRESS = "OpenAIIngress"
@@ -71,7 +73,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         health_check_timeout_s=app_args.health_check_timeout_s,
     )
     return ingress.bind(server, app_args.model, app_args.engine_args.get("tokenizer"), app_args.api_key,
-                        app_args.ingress_admission, app_args.retry, app_args.request_body_timeout_s)
+                        app_args.ingress_admission, app_args.retry, app_args.request_body_timeout_s,
+                        app_args.token_channel)
 
 
 class LLMServerDeployment(LLMServer):
@@ -81,9 +84,10 @@ class LLMServerDeployment(LLMServer):
                  admission: dict[str, Any], stream_chunks_per_s: float = STREAM_CHUNKS_PER_S,
                  max_stream_interval_s: float = MAX_STREAM_INTERVAL_S) -> None:
         replica_id = serve.get_replica_context().replica_id.unique_id
+        node_id = ray.get_runtime_context().get_node_id()
         super().__init__(model, engine_args, served_model_name=served_model_name, admission=admission,
                          replica_id=replica_id, stream_chunks_per_s=stream_chunks_per_s,
-                         max_stream_interval_s=max_stream_interval_s)
+                         max_stream_interval_s=max_stream_interval_s, node_id=lambda: node_id)
 
 
 @serve.deployment(name=INGRESS)
@@ -91,12 +95,15 @@ class LLMServerDeployment(LLMServer):
 class OpenAIIngress(OpenAIFrontend):
     def __init__(self, llm_server: DeploymentHandle, model: str | None, tokenizer: str | None,
                  api_key: str | None, admission: dict[str, Any] | None = None,
-                 retry: dict[str, Any] | None = None, body_timeout_s: float = 30.0) -> None:
+                 retry: dict[str, Any] | None = None, body_timeout_s: float = 30.0,
+                 token_channel: bool = True) -> None:
         http_guard.install_in_ingress()
         context = serve.get_replica_context()
         source = tokenizer or model
+        channel = TokenChannelServer(ray.get_runtime_context().get_node_id()) if token_channel else None
         backend = HandleBackend(llm_server, context.app_name, LLM_SERVER, RetryPolicy(**(retry or {})),
-                                admission=IngressAdmission(AdmissionPolicy(**(admission or {})), time.monotonic))
+                                admission=IngressAdmission(AdmissionPolicy(**(admission or {})), time.monotonic),
+                                token_channel=channel)
         super().__init__(backend, lambda: _load_tokenizer(source), api_key=api_key,
                          ingress_id=context.replica_id.unique_id, body_timeout_s=body_timeout_s)
         self.load_tokenizer_now()

@@ -48,6 +48,7 @@ from deployments.errors import APIError, internal, not_ready, overloaded
 from deployments.ingress_admission import IngressAdmission
 from deployments.metrics import AdmissionStats, FailoverCounters, ReplicaMetrics
 from deployments.retry_policy import RetryPolicy
+from deployments.token_channel import END_OF_CALL, ChannelClosed, Inbox, TokenChannelServer
 
 # What Ray raises when the replica behind a call is gone (killed, crashed, its node lost).
 _REPLICA_LOST = (RayActorError, ReplicaUnavailableError, ObjectLostError, WorkerCrashedError, NodeDiedError)
@@ -73,8 +74,12 @@ class HandleBackend:
 
     def __init__(self, handle: DeploymentHandle, app_name: str, deployment_name: str,
                  retry: RetryPolicy | None = None, clock: Callable[[], float] = time.monotonic,
-                 admission: IngressAdmission | None = None) -> None:
+                 admission: IngressAdmission | None = None,
+                 token_channel: TokenChannelServer | None = None) -> None:
+        """`token_channel`: where replicas on this node send the chunks after admission (None:
+        every chunk comes over Ray; deployments/token_channel.py)."""
         self.handle = handle
+        self.token_channel = token_channel
         self.app_name = app_name
         self.deployment_name = deployment_name
         self.retry = retry or RetryPolicy()
@@ -137,23 +142,69 @@ class HandleBackend:
         if progress.done_by_length():  # every token arrived, only the finished chunk was lost
             yield progress.finished_by_length()
             return
+        inbox: Inbox | None = None
+        if self.token_channel is not None:
+            request.token_channel, inbox = await self.token_channel.open()
         responses = _remote(lambda: self.handle.options(stream=True).generate_stream.remote(request))
-        replica_id: str | None = None
         finished = False
+        watcher: asyncio.Future[None] | None = None
         try:
-            while not finished:
-                timeout_s = self.retry.stall_timeout_s if replica_id else self.retry.first_reply_timeout_s
-                chunk = await self._next_chunk(responses, timeout_s, request, replica_id)
-                replica_id = chunk.replica_id or replica_id
-                if chunk.keepalive:
-                    continue
-                finished = chunk.finished
-                out = progress.accept(chunk)
-                if out is not None:
-                    yield out
+            chunk = await self._next_chunk(responses, self.retry.first_reply_timeout_s, request, None)
+            replica_id = chunk.replica_id
+            if chunk.via_channel and inbox is not None:
+                chunk.via_channel = False
+                watcher = asyncio.ensure_future(_watch_call(responses, inbox))
+                chunks = self._channel_chunks(inbox, replica_id)
+            else:
+                chunks = self._ray_chunks(responses, request, replica_id)
+            async with contextlib.aclosing(chunks):
+                while True:
+                    if not chunk.keepalive:
+                        finished = chunk.finished
+                        out = progress.accept(chunk)
+                        if out is not None:
+                            yield out
+                        if finished:
+                            return
+                    chunk = await chunks.__anext__()
         finally:
+            if inbox is not None:
+                self.token_channel.close(request.token_channel.key)
+            if watcher is not None:
+                # A finished attempt's Ray stream ends by itself, just after its last chunk was sent.
+                if finished:
+                    asyncio.get_running_loop().call_later(self.retry.stall_timeout_s, watcher.cancel)
+                else:
+                    watcher.cancel()
             if not finished:  # failed over, or the caller left: the replica aborts the request
                 responses.cancel()
+
+    async def _ray_chunks(self, responses: Any, request: GenerateRequest,
+                          replica_id: str | None) -> AsyncIterator[GenerationChunk]:
+        """An attempt's chunks after admission, over its Ray stream."""
+        while True:
+            chunk = await self._next_chunk(responses, self.retry.stall_timeout_s, request, replica_id)
+            replica_id = chunk.replica_id or replica_id
+            yield chunk
+
+    async def _channel_chunks(self, inbox: Inbox, replica_id: str | None) -> AsyncIterator[GenerationChunk]:
+        """An attempt's chunks after admission, over the token channel, with what its Ray stream
+        brings (`_watch_call`: the replica's loss). That stream ends empty once the last chunk was
+        sent, which may still be on its way: only silence for stall_timeout_s, a closed channel or
+        the stream's error fails the attempt."""
+        while True:
+            try:
+                item = await inbox.get(self.retry.stall_timeout_s)
+            except TimeoutError:
+                raise AttemptFailed(f"no chunk from the replica for {self.retry.stall_timeout_s:g} s",
+                                    replica_id) from None
+            if item is END_OF_CALL:
+                continue
+            if isinstance(item, ChannelClosed):
+                raise AttemptFailed(str(item), replica_id)
+            if isinstance(item, BaseException):
+                raise _attempt_failure(item, replica_id)
+            yield item
 
     async def _next_chunk(self, responses: Any, timeout_s: float, request: GenerateRequest,
                           replica_id: str | None) -> GenerationChunk:
@@ -167,18 +218,10 @@ class HandleBackend:
             what = "no chunk" if replica_id else "no reply"
             raise AttemptFailed(f"{what} from the replica for {timeout_s:g} s",
                                 replica_id or request.routed_replica_id) from None
-        except APIError as exc:
-            if exc.status in (429, 503):
-                raise AttemptFailed(f"the replica refused: {exc.message}", replica_id or request.routed_replica_id,
-                                    _plain_api_error(exc)) from None
-            raise _plain_api_error(exc) from None
-        except _REPLICA_LOST as exc:
-            raise AttemptFailed(f"the replica was lost ({type(exc).__name__})",
-                                replica_id or request.routed_replica_id) from None
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            raise _api_error(exc) from None
+            raise _attempt_failure(exc, replica_id or request.routed_replica_id) from None
 
     # ---- observation --------------------------------------------------------------------------
 
@@ -353,6 +396,31 @@ async def _call(make_call: Callable[[], Any]) -> Any:
         raise
     except BaseException as exc:
         raise _api_error(exc) from None
+
+
+async def _watch_call(responses: Any, inbox: Inbox) -> None:
+    """Pass an attempt's Ray stream into its Inbox: whatever still comes, then END_OF_CALL, or the
+    exception that ended it (the replica was lost, or refused)."""
+    try:
+        async for chunk in responses:
+            inbox.put(chunk)
+        inbox.put(END_OF_CALL)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:
+        inbox.put(exc)
+
+
+def _attempt_failure(exc: BaseException, replica_id: str | None) -> BaseException:
+    """What an exception from an attempt's Ray stream means: AttemptFailed when another replica may
+    serve the request (this one was lost, or refused with 429 or 503), else the request's error."""
+    if isinstance(exc, APIError):
+        if exc.status in (429, 503):
+            return AttemptFailed(f"the replica refused: {exc.message}", replica_id, _plain_api_error(exc))
+        return _plain_api_error(exc)
+    if isinstance(exc, _REPLICA_LOST):
+        return AttemptFailed(f"the replica was lost ({type(exc).__name__})", replica_id)
+    return _api_error(exc)
 
 
 def _plain_api_error(exc: APIError) -> APIError:

@@ -12,6 +12,7 @@ refuses new work with a 429 once too many admitted requests still wait for their
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import time
@@ -32,6 +33,7 @@ from deployments.errors import APIError, internal, invalid, not_ready, overloade
 from deployments.metrics import (E2E_BUCKETS_S, ITL_BUCKETS_S, QUEUE_BUCKETS_S, TTFT_BUCKETS_S, FiniteHistogram,
                                  ReplicaMetrics, by_label, collect_families)
 from deployments.replica_core import AdmittedRequest, ReplicaCore, ReplicaOverloaded
+from deployments.token_channel import TokenChannelSender
 from model_worker.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed, RequestStream
 from model_worker.config import EngineConfig
 from model_worker.checkpoints.models import served_name
@@ -75,7 +77,10 @@ class LLMServer:
                  clock: Callable[[], float] = time.monotonic, ttft_window_s: float = REPLICA_TTFT_WINDOW_S,
                  keepalive_interval_s: float = KEEPALIVE_INTERVAL_S, engine_stall_s: float = ENGINE_STALL_S,
                  engine_hung_s: float = ENGINE_HUNG_S, stream_chunks_per_s: float = STREAM_CHUNKS_PER_S,
-                 max_stream_interval_s: float = MAX_STREAM_INTERVAL_S) -> None:
+                 max_stream_interval_s: float = MAX_STREAM_INTERVAL_S,
+                 node_id: Callable[[], str | None] = lambda: None) -> None:
+        """`node_id`: the Ray node this replica runs on (None: unknown), so that it sends over the
+        token channel of a caller on the same node."""
         for name, value in (("stream_chunks_per_s", stream_chunks_per_s),
                             ("max_stream_interval_s", max_stream_interval_s)):
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
@@ -109,6 +114,7 @@ class LLMServer:
         self.stream_chunks_per_s = float(stream_chunks_per_s)
         self.max_stream_interval_s = float(max_stream_interval_s)
         self.num_open_streams = 0
+        self.token_channels = TokenChannelSender(node_id)
         # This replica's own registry, never prometheus_client's global one: several replicas (and
         # tests) can share a process.
         self.metrics_registry = CollectorRegistry()
@@ -133,6 +139,10 @@ class LLMServer:
         While no output comes, a keep-alive chunk goes out every keepalive_interval_s for as long
         as the engine loop is working.
 
+        When the request names a token channel on this replica's node (and it answers), every chunk
+        after the admission chunk goes over it, and this stream ends, empty, after the last one
+        (deployments/token_channel.py).
+
         Outputs go out as they come while this replica streams fewer than stream_chunks_per_s
         chunks a second; beyond that budget a request's outputs are folded together (`extend`)
         and sent at most every num_open_streams / stream_chunks_per_s seconds (at most
@@ -141,44 +151,57 @@ class LLMServer:
         admitted, stream = self._admit(request)
         self.num_open_streams += 1
         try:
+            channel = await self.token_channels.connect(request.token_channel)
             yield GenerationChunk(request.request_id, num_prompt_tokens=len(request.prompt_token_ids),
-                                  replica_id=self.replica_id)
-            pending: GenerationChunk | None = None  # folded outputs not sent yet
-            sent_s = float("-inf")
-            first_token_sent = False
-            while True:
-                wait_s = (self.keepalive_interval_s if pending is None
-                          else max(0.0, sent_s + self._stream_interval_s() - self.clock()))
-                out = await _next_output(stream, wait_s)
-                if out is _END:
-                    break
-                if out is None:
-                    if pending is not None:  # its interval is over
-                        yield pending
-                        pending, sent_s = None, self.clock()
-                    elif self.engine.seconds_since_alive() < self.engine_stall_s:
-                        yield GenerationChunk(request.request_id, keepalive=True, replica_id=self.replica_id)
-                    continue
-                for later in stream.ready():
-                    out.extend(later)
-                if pending is None:
-                    pending = out
+                                  replica_id=self.replica_id, via_channel=channel is not None)
+            async with contextlib.aclosing(self._chunks(request, admitted, stream)) as chunks:
+                if channel is None:
+                    async for chunk in chunks:
+                        yield chunk
                 else:
-                    pending.extend(out)
-                if out.token_ids:
-                    self.core.first_token(admitted)
-                if pending.finished:
-                    self._observe(pending, admitted.resumed)
-                    yield pending
-                    break
-                if (pending.token_ids and not first_token_sent) or self.clock() - sent_s >= self._stream_interval_s():
-                    first_token_sent = first_token_sent or bool(pending.token_ids)
-                    yield pending
-                    pending, sent_s = None, self.clock()
+                    key = request.token_channel.key
+                    async for chunk in chunks:
+                        await channel.send(key, chunk)
         finally:
             self.num_open_streams -= 1
             stream.close()
             self.core.finished(admitted)
+
+    async def _chunks(self, request: GenerateRequest, admitted: AdmittedRequest,
+                      stream: RequestStream) -> AsyncIterator[GenerationChunk]:
+        """The request's chunks after admission, keep-alives and folding included (generate_stream)."""
+        pending: GenerationChunk | None = None  # folded outputs not sent yet
+        sent_s = float("-inf")
+        first_token_sent = False
+        while True:
+            wait_s = (self.keepalive_interval_s if pending is None
+                      else max(0.0, sent_s + self._stream_interval_s() - self.clock()))
+            out = await _next_output(stream, wait_s)
+            if out is _END:
+                return
+            if out is None:
+                if pending is not None:  # its interval is over
+                    yield pending
+                    pending, sent_s = None, self.clock()
+                elif self.engine.seconds_since_alive() < self.engine_stall_s:
+                    yield GenerationChunk(request.request_id, keepalive=True, replica_id=self.replica_id)
+                continue
+            for later in stream.ready():
+                out.extend(later)
+            if pending is None:
+                pending = out
+            else:
+                pending.extend(out)
+            if out.token_ids:
+                self.core.first_token(admitted)
+            if pending.finished:
+                self._observe(pending, admitted.resumed)
+                yield pending
+                return
+            if (pending.token_ids and not first_token_sent) or self.clock() - sent_s >= self._stream_interval_s():
+                first_token_sent = first_token_sent or bool(pending.token_ids)
+                yield pending
+                pending, sent_s = None, self.clock()
 
     def _stream_interval_s(self) -> float:
         """How long a stream waits between two chunks: 0 within the budget, more beyond it, never
@@ -279,6 +302,7 @@ class LLMServer:
                               [*collect_families(self.metrics_registry), *_families(self, stats)])
 
     def shutdown(self) -> None:
+        self.token_channels.close()
         self.engine.shutdown()
 
     def __del__(self) -> None:

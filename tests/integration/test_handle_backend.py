@@ -20,43 +20,94 @@ from deployments.handle_backend import HandleBackend
 from deployments.llm_server import LLMServer
 from deployments.replica_core import ReplicaCore
 from deployments.retry_policy import RetryPolicy
+from deployments.token_channel import TokenChannelServer
 from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from tests.unit.fakes import ByteTokenizer, FakeKVRunner
 
 VOCAB = 259  # byte tokens 3..258: every token decodes
 
 
-def make_replica(replica_id: str) -> LLMServer:
+def make_replica(replica_id: str, node_id: str | None = None) -> LLMServer:
     runner = FakeKVRunner(256, 4, 1024, VOCAB, step_delay_s=0.002)
     engine = LLMEngine(EngineConfig(block_size=4), model_runner=runner, tokenizer=ByteTokenizer())
     # A chunk per token (no folding under the chunk budget): the faults strike after a count of chunks.
     return LLMServer(engine=AsyncLLMEngine(engine=engine), served_model_name="m", replica_id=replica_id,
-                     keepalive_interval_s=0.05, stream_chunks_per_s=1e6)
+                     keepalive_interval_s=0.05, stream_chunks_per_s=1e6, node_id=lambda: node_id)
+
+
+class Killed(Exception):
+    """Ends a replica's generator where a killed replica would stop."""
 
 
 class FakeResponses:
+    """One call's stream, driven as Ray drives a replica's generator: on its own, into a queue the
+    caller reads. A fault strikes before the chunk numbered `fault[1]` (the admission chunk is 0)
+    whether it goes over Ray or the token channel: "kill" ends the call with ActorDiedError,
+    "freeze" sends nothing more, ever."""
+
     def __init__(self, replica: LLMServer, request: GenerateRequest, fault: tuple[str, int] | None) -> None:
         self.stream = replica.generate_stream(request)
         self.fault = fault
         self.sent = 0
         self.cancelled = False
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.driver = asyncio.ensure_future(self._drive())
+
+    async def before_chunk(self) -> None:
+        if self.fault is not None and self.sent >= self.fault[1]:
+            if self.fault[0] == "kill":
+                raise Killed()
+            await asyncio.Event().wait()  # frozen: nothing ever comes
+        self.sent += 1
+
+    async def _drive(self) -> None:
+        try:
+            async for chunk in self.stream:
+                await self.before_chunk()
+                self.queue.put_nowait(chunk)
+            self.queue.put_nowait(StopAsyncIteration())
+        except Killed:
+            self.queue.put_nowait(ActorDiedError())
+        except Exception as exc:
+            self.queue.put_nowait(exc)
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
-        if self.fault is not None and self.sent >= self.fault[1]:
-            await self.stream.aclose()
-            if self.fault[0] == "kill":
-                raise ActorDiedError()
-            await asyncio.Event().wait()  # frozen: nothing ever comes
-        chunk = await self.stream.__anext__()
-        self.sent += 1
-        return chunk
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def cancel(self) -> None:
         self.cancelled = True
-        asyncio.ensure_future(self.stream.aclose())
+        self.driver.cancel()
+
+
+class FaultyChannels:
+    """A replica's TokenChannelSender whose connections apply each call's fault to its chunks."""
+
+    def __init__(self, replica: LLMServer, handle: "FakeHandle") -> None:
+        self.real = replica.token_channels
+        self.handle = handle
+
+    async def connect(self, address):
+        connection = await self.real.connect(address)
+        return None if connection is None else FaultyConnection(connection, self.handle.responses[address.key])
+
+    def close(self) -> None:
+        self.real.close()
+
+
+class FaultyConnection:
+    def __init__(self, connection, responses: FakeResponses) -> None:
+        self.connection = connection
+        self.responses = responses
+
+    async def send(self, key, chunk) -> None:
+        await self.responses.before_chunk()
+        await self.connection.send(key, chunk)
 
 
 class FakeHandle:
@@ -65,7 +116,11 @@ class FakeHandle:
         # replica id -> ("kill" | "freeze", chunks it sends first) for its next stream.
         self.faults: dict[str, tuple[str, int]] = {}
         self.calls: list[tuple[str, GenerateRequest]] = []
+        # Token channel key -> the call that sends on it.
+        self.responses: dict[str, FakeResponses] = {}
         self.generate_stream = self
+        for replica in replicas.values():
+            replica.token_channels = FaultyChannels(replica, self)
 
     def options(self, **_):
         return self
@@ -74,22 +129,33 @@ class FakeHandle:
         replica_id = next(r for r in self.replicas if r not in request.avoid_replica_ids)
         request.routed_replica_id = replica_id
         self.calls.append((replica_id, request))
-        return FakeResponses(self.replicas[replica_id], request, self.faults.pop(replica_id, None))
+        responses = FakeResponses(self.replicas[replica_id], request, self.faults.pop(replica_id, None))
+        if request.token_channel is not None:
+            self.responses[request.token_channel.key] = responses
+        return responses
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-@pytest.fixture
-def cluster():
-    replicas = {name: make_replica(name) for name in ("r0", "r1", "r2")}
+@pytest.fixture(params=["ray", "token_channel"])
+def cluster(request):
+    """Three replicas behind a fake handle; their chunks come back over the call's stream ("ray"),
+    or, after admission, over the ingress's token channel on loopback ("token_channel")."""
+    node = "node-1" if request.param == "token_channel" else None
+    replicas = {name: make_replica(name, node) for name in ("r0", "r1", "r2")}
     handle = FakeHandle(replicas)
+    channel = TokenChannelServer("node-1") if node else None
     backend = HandleBackend(handle, "app", "LLMServer",
-                            RetryPolicy(first_reply_timeout_s=0.5, stall_timeout_s=0.5, backoff_s=0.0))
+                            RetryPolicy(first_reply_timeout_s=0.5, stall_timeout_s=0.5, backoff_s=0.0),
+                            token_channel=channel)
     yield handle, backend
     for replica in replicas.values():
         replica.shutdown()
+    if channel is not None:
+        assert channel.num_open == 0, "every attempt closed its inbox"
+        assert channel.num_refused == 0
 
 
 def request(max_tokens=24, **params):
@@ -131,6 +197,8 @@ def test_a_stream_whose_replica_dies_or_freezes_continues_on_another_whole(clust
     assert len(resumed.resumed_token_ids) == sum(len(c.token_ids) for c in chunks[:after_chunks])
     assert chunks[0].token_ids == [] and sum(1 for c in chunks if not c.token_ids and not c.finished) == 1
     assert backend.num_migrated == (1 if after_chunks > 1 else 0)
+    if backend.token_channel is not None:  # every chunk after admission came over it
+        assert backend.token_channel.num_frames >= len(chunks) - 2
 
 
 def test_a_seeded_request_continues_with_the_same_tokens(cluster):
