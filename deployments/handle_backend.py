@@ -21,6 +21,10 @@ generation runs as a sequence of attempts, each on another replica:
 - After `max_attempts` the request fails with 503 and the reason of the last attempt. Errors the
   request itself caused (400, 500 generation_failed) are never retried: they would fail again.
 
+With a token channel (deployments/token_channel.py), a replica on this node sends the chunks after
+admission over a loopback connection; the attempt then reads them from its Inbox, into which the
+Ray stream's end or error is passed too, under the same stall timeout.
+
 Before any attempt, the ingress's admission control (`IngressAdmission`, when given) admits the
 request or refuses it with 429, and gives it up with 503 if no first token comes in time: the
 sequence of attempts is a stage behind it, so its queue timeout covers every attempt.

@@ -42,6 +42,9 @@ _HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 # The replica's writes wait for the ingress to read once this much is buffered.
 HIGH_WATER_BYTES = 1024 * 1024
+# A connection that has not sent the secret this long after it opened is closed: a replica sends it
+# at once, and idle strangers must not hold the ingress's sockets.
+SECRET_TIMEOUT_S = 5.0
 
 
 class ChannelClosed(Exception):
@@ -98,9 +101,10 @@ class TokenChannelServer:
     """The ingress's side: one loopback listener, started on first use in the running event loop,
     and an Inbox per open attempt."""
 
-    def __init__(self, node_id: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, node_id: str, host: str = "127.0.0.1", secret_timeout_s: float = SECRET_TIMEOUT_S) -> None:
         self.node_id = node_id
         self.host = host
+        self.secret_timeout_s = secret_timeout_s
         self.secret = secrets.token_hex(16)
         self.port: int | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -161,6 +165,11 @@ class _Reader(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.deadline = asyncio.get_running_loop().call_later(self.server.secret_timeout_s, self._too_slow)
+
+    def _too_slow(self) -> None:
+        if not self.trusted:
+            self._refuse()
 
     def data_received(self, data: bytes) -> None:
         buffer = self.buffer
@@ -187,6 +196,7 @@ class _Reader(asyncio.Protocol):
             if not (isinstance(value, str) and hmac.compare_digest(value, self.server.secret)):
                 raise ValueError("a connection that did not open with the secret")
             self.trusted = True
+            self.deadline.cancel()
             return
         if not (isinstance(value, list) and len(value) == 2):
             raise ValueError("a frame that is not [key, chunk]")
@@ -203,6 +213,7 @@ class _Reader(asyncio.Protocol):
             self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.deadline.cancel()
         for inbox in self.fed.values():
             inbox.put(ChannelClosed("the replica's token channel closed"))
         self.fed.clear()

@@ -77,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--app-args", type=json.loads, default={},
                    help='JSON object of AppConfig fields for the served runs (deployments/app_config.py), e.g. '
                         '\'{"stream_chunks_per_s": 50}\'; recorded in the JSON\'s config')
+    p.add_argument("--variant-app-args", type=json.loads, default=None,
+                   help='JSON object of AppConfig fields: after the served runs, serve once more with these '
+                        'on top of --app-args (first serving path and mode), its figures prefixed "variant_", '
+                        'e.g. \'{"token_channel": false}\' for the same run before a change')
+    p.add_argument("--variant-first", action="store_true",
+                   help="serve the --variant-app-args variant before the others, not after them")
     p.add_argument("--num-requests", type=int, default=None, help="requests sent at once (default 64; quick 16)")
     p.add_argument("--rate", type=float, default=1.0, help="arrivals per second of the light-load run")
     p.add_argument("--rate-requests", type=int, default=None, help="requests of the light-load run (default 30; quick 12)")
@@ -117,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--max-decode-slowdown takes a number, 'none' or 'engine', got {args.max_decode_slowdown!r}")
     if not isinstance(args.engine_args, dict):
         p.error("--engine-args takes a JSON object")
+    if args.variant_app_args is not None and not isinstance(args.variant_app_args, dict):
+        p.error("--variant-app-args takes a JSON object")
     if args.vllm_client and args.peer != "vllm":
         p.error("--vllm-client needs --peer vllm (the client is installed with the peer)")
     args.served = [mode.strip() for mode in args.served.split(",") if mode.strip()]
@@ -237,6 +245,13 @@ def served(args: argparse.Namespace, burst: list[BenchRequest], light: list[Benc
         return runs
     finally:
         stop_local_serve()
+
+
+def served_variant(args: argparse.Namespace, burst: list[BenchRequest], light: list[BenchRequest]) -> dict[str, Any]:
+    """`served` once more with --variant-app-args on top of --app-args (first mode and path)."""
+    variant = argparse.Namespace(**{**vars(args), "app_args": {**args.app_args, **args.variant_app_args},
+                                    "out": args.out / "variant", "vllm_client": False})
+    return served(variant, burst, light, args.served[0], args.serving_path[0])
 
 
 def _warm_up(config: ClientConfig, burst: list[BenchRequest]) -> None:
@@ -544,8 +559,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"offline: decode step {off['decode_step_ms']:.1f} ms at batch 1; "
           f"{off['tokens_per_s']:.1f} tok/s with {len(burst)} at once; "
           f"TPOT p50 {off['light']['tpot_s']['p50'] * 1000:.1f} ms at {args.rate:g} req/s", flush=True)
+    variant_runs = None
+    if args.variant_app_args is not None and args.variant_first:
+        variant_runs = served_variant(args, burst, light)
     http = {served_label(args, mode, path): served(args, burst, light, mode, path)
             for mode in args.served for path in args.serving_path}
+    if args.variant_app_args is not None:
+        http["variant"] = variant_runs or served_variant(args, burst, light)
     figures = headline(off, http[""])
     for label in list(http)[1:]:
         figures.update(served_figures(off, http[label], prefix=f"{label}_"))
@@ -556,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.vllm_client:
             figures["vllm_client"] = vllm_client_figures(http[""]["vllm_client"], peer["vllm_client"])
     figures["config"] = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "engine_args": args.engine_args,
-                         "app_args": args.app_args,
+                         "app_args": args.app_args, "variant_app_args": args.variant_app_args,
+                         "variant_first": args.variant_first,
                          "max_decode_slowdown": args.max_decode_slowdown,
                          "served": args.served, "serving_path": args.serving_path, "num_requests": args.num_requests, "rate": args.rate, "rate_requests": args.rate_requests,
                          "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,

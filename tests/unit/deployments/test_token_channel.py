@@ -78,6 +78,19 @@ def test_a_connection_that_is_not_a_replica_is_closed_and_delivers_nothing(openi
     assert MAX_FRAME_BYTES < 0xFFFFFFFF
 
 
+def test_a_connection_that_sends_no_secret_in_time_is_closed():
+    async def main():
+        server = TokenChannelServer("n", secret_timeout_s=0.05)
+        await server.open()
+        reader, writer = await _raw(server)
+        closed = await reader.read()
+        server.stop()
+        return server, closed
+
+    server, closed = run(main())
+    assert closed == b"" and server.num_refused == 1
+
+
 def test_a_frame_that_is_not_key_and_chunk_closes_the_connection():
     async def main():
         server = TokenChannelServer("n")
