@@ -60,11 +60,13 @@ class Inbox:
     """One attempt's chunks, from the channel and from its Ray stream, in arrival order. Items are
     chunks, `ChannelClosed`, Ray's exceptions, or `END_OF_CALL` when the Ray stream ended."""
 
-    __slots__ = ("items", "_waiter")
+    __slots__ = ("items", "_waiter", "fed_by", "__weakref__")
 
     def __init__(self) -> None:
         self.items: deque[Any] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        # The connection its chunks came over, which tells it when it closes.
+        self.fed_by: object | None = None
 
     def put(self, item: Any) -> None:
         self.items.append(item)
@@ -160,8 +162,6 @@ class _Reader(asyncio.Protocol):
         self.buffer = bytearray()
         self.transport: asyncio.Transport | None = None
         self.trusted = False
-        # The inboxes this connection fed: each learns of the connection's end.
-        self.fed: dict[int, Inbox] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -203,7 +203,7 @@ class _Reader(asyncio.Protocol):
         key, wire = value
         inbox = self.server._inbox(key)
         if inbox is not None:
-            self.fed[id(inbox)] = inbox  # before decoding: a bad chunk ends its attempt too
+            inbox.fed_by = self  # before decoding: a bad chunk ends its attempt too
             inbox.put(chunk_from_wire(wire))
             self.server.num_frames += 1
 
@@ -214,9 +214,9 @@ class _Reader(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.deadline.cancel()
-        for inbox in self.fed.values():
-            inbox.put(ChannelClosed("the replica's token channel closed"))
-        self.fed.clear()
+        for inbox in list(self.server._inboxes.values()):
+            if inbox.fed_by is self:
+                inbox.put(ChannelClosed("the replica's token channel closed"))
 
 
 class TokenChannelSender:

@@ -128,6 +128,29 @@ def test_a_closed_connection_ends_the_attempts_it_fed_and_no_other():
     assert first.token_ids == [5] and isinstance(ended, ChannelClosed)
 
 
+def test_an_attempt_once_closed_is_held_by_nothing():
+    import gc
+    import weakref
+
+    async def main():
+        server = TokenChannelServer("n")
+        address, inbox = await server.open()
+        sender = TokenChannelSender(lambda: "n")
+        connection = await sender.connect(address)
+        await connection.send(address.key, GenerationChunk("r", "a"))
+        await inbox.get(1.0)
+        server.close(address.key)
+        held = weakref.ref(inbox)
+        del inbox
+        gc.collect()
+        alive = held() is not None
+        sender.close()
+        server.stop()
+        return alive
+
+    assert not run(main()), "the open connection keeps no finished attempt alive"
+
+
 def test_a_sender_uses_the_channel_only_on_its_own_node_and_shares_one_connection():
     async def main():
         server = TokenChannelServer("n")
