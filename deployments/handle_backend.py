@@ -147,8 +147,9 @@ class HandleBackend:
             yield progress.finished_by_length()
             return
         inbox: Inbox | None = None
-        if self.token_channel is not None:
-            request.token_channel, inbox = await self.token_channel.open()
+        opened = await self.token_channel.open() if self.token_channel is not None else None
+        if opened is not None:
+            request.token_channel, inbox = opened
         responses = _remote(lambda: self.handle.options(stream=True).generate_stream.remote(request))
         finished = False
         watcher: asyncio.Future[None] | None = None

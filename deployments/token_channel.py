@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import secrets
 import struct
 import uuid
@@ -34,6 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 from contracts.serving import GenerationChunk, TokenChannelAddress, chunk_from_wire, chunk_to_wire
+
+logger = logging.getLogger(__name__)
 
 # A frame: a 4-byte big-endian length, then that many bytes of UTF-8 JSON.
 _HEADER = struct.Struct(">I")
@@ -111,16 +114,27 @@ class TokenChannelServer:
         self.port: int | None = None
         self._server: asyncio.base_events.Server | None = None
         self._starting: asyncio.Future[None] | None = None
+        # Why the listener did not start at the last try; attempts stream over Ray meanwhile.
+        self.unavailable: str | None = None
         self._inboxes: dict[str, Inbox] = {}
         # Frames accepted and dropped (no such attempt) since start; connections refused.
         self.num_frames = 0
         self.num_dropped = 0
         self.num_refused = 0
 
-    async def open(self) -> tuple[TokenChannelAddress, Inbox]:
-        """A new attempt's address and the Inbox its chunks arrive in; close(key) when it ends."""
+    async def open(self) -> tuple[TokenChannelAddress, Inbox] | None:
+        """A new attempt's address and the Inbox its chunks arrive in, close(key) when it ends; None
+        when the listener could not start (the attempt streams over Ray then)."""
         if self._server is None:
-            await self._start()
+            try:
+                await self._start()
+            except OSError as exc:
+                if not self.unavailable:
+                    logger.warning("the token channel is off until a loopback listener starts: %s", exc)
+                self.unavailable = str(exc)
+                self._starting = None  # the next attempt tries again (a full descriptor table passes)
+                return None
+            self.unavailable = None
         key = uuid.uuid4().hex
         inbox = Inbox()
         self._inboxes[key] = inbox

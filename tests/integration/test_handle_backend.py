@@ -201,6 +201,22 @@ def test_a_stream_whose_replica_dies_or_freezes_continues_on_another_whole(clust
         assert backend.token_channel.num_frames >= len(chunks) - 2
 
 
+def test_replicas_on_another_node_stream_over_ray_though_the_ingress_has_a_channel():
+    replicas = {name: make_replica(name, "node-2") for name in ("r0", "r1")}
+    handle = FakeHandle(replicas)
+    channel = TokenChannelServer("node-1")
+    backend = HandleBackend(handle, "app", "LLMServer", RetryPolicy(stall_timeout_s=0.5, backoff_s=0.0),
+                            token_channel=channel)
+    handle.faults["r0"] = ("kill", 3)
+    try:
+        chunks, tokens, _ = run(collect(backend, request()))
+    finally:
+        for replica in replicas.values():
+            replica.shutdown()
+    assert len(tokens) == 24 and chunks[-1].finished and [r for r, _ in handle.calls] == ["r0", "r1"]
+    assert channel.num_frames == 0 and channel.num_open == 0
+
+
 def test_a_seeded_request_continues_with_the_same_tokens(cluster):
     """Sampling noise is drawn from (seed, output index): the next replica draws what the first
     would have."""

@@ -174,6 +174,15 @@ def test_a_sender_uses_the_channel_only_on_its_own_node_and_shares_one_connectio
     assert others == [None, None, None, None]
 
 
+def test_a_listener_that_cannot_start_leaves_every_attempt_on_ray():
+    async def main():
+        server = TokenChannelServer("n", host="203.0.113.1")  # an address of no interface here
+        return await server.open(), await server.open(), server.unavailable
+
+    first, second, reason = run(main())
+    assert first is None and second is None and reason
+
+
 def test_an_inbox_waits_for_its_next_item_until_its_timeout():
     async def main():
         inbox = Inbox()
