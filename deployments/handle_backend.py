@@ -43,6 +43,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any
 
+import grpc
 from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
@@ -425,6 +426,9 @@ def _attempt_failure(exc: BaseException, replica_id: str | None) -> BaseExceptio
         return _plain_api_error(exc)
     if isinstance(exc, _REPLICA_LOST):
         return AttemptFailed(f"the replica was lost ({type(exc).__name__})", replica_id)
+    if isinstance(exc, grpc.RpcError):  # handle calls over gRPC: the call failed, not the request
+        code = exc.code() if callable(getattr(exc, "code", None)) else None
+        return AttemptFailed(f"the call to the replica failed over gRPC ({code})", replica_id)
     return _api_error(exc)
 
 

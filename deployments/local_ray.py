@@ -100,10 +100,13 @@ def serving_path_env(path: str, http_port: int | None = None) -> dict[str, str]:
       fails (about 1.5 s), and those requests hang until Serve kills the replica, then fail (13 of
       80 requests sent 0.25 s apart after a SIGSTOP, each after 35 s; after a SIGKILL, 1). Serve's
       proxy routes around a frozen or dead ingress and loses none (docs/benchmarks.md, eighth pass).
-    - "proxy" (the default of `iterserve serve`): Serve's defaults. The HTTP proxy actor listens on
-      the port serve.start is given and passes each request, and every chunk of its response
-      stream, to an ingress replica through a handle: one more Python process and one more Ray
-      stream per token (0.6-1.4 ms of CPU a token on 2 cores).
+    - "proxy" (the default of `iterserve serve`): Serve's defaults but one. The HTTP proxy actor
+      listens on the port serve.start is given and passes each request, and every chunk of its
+      response stream, to an ingress replica through a handle: one more Python process and one
+      more stream per token (0.6-1.4 ms of CPU a token on 2 cores). Handle calls (the proxy's to
+      the ingress, the ingress's to LLMServer) go over Serve's gRPC data plane, as its
+      throughput-optimised mode sends them: a third less CPU in the proxy and a fifth less in the
+      ingress (docs/benchmarks.md, fourteenth pass). The fault suite runs this way.
     - "direct": the ingress replica serves HTTP itself on `http_port` (Serve's direct ingress),
       with no one in front. Serve still starts a proxy on the head node, on the port serve.start
       is given, which must be another one. Its cost: an ingress replica that dies is replaced on
@@ -117,12 +120,13 @@ def serving_path_env(path: str, http_port: int | None = None) -> dict[str, str]:
     2 cores."""
     if path == "proxy":
         return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
-                "RAY_SERVE_ENABLE_HA_PROXY": "0"}
+                "RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
     if path not in SERVING_PATHS:
         raise ValueError(f"serving path must be one of {', '.join(SERVING_PATHS)}, got {path!r}")
     if http_port is None or not 0 < http_port <= 65535 - DIRECT_INGRESS_PORTS:
         raise ValueError(f"{path} ingress needs an HTTP port in 1..{65535 - DIRECT_INGRESS_PORTS}, got {http_port!r}")
     env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+           "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
            "RAY_SERVE_ENABLE_HA_PROXY": "1" if path == "haproxy" else "0",
            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http_port),
            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http_port + DIRECT_INGRESS_PORTS),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import grpc
 import pytest
 from ray.exceptions import ActorDiedError
 
@@ -42,8 +43,8 @@ class Killed(Exception):
 class FakeResponses:
     """One call's stream, driven as Ray drives a replica's generator: on its own, into a queue the
     caller reads. A fault strikes before the chunk numbered `fault[1]` (the admission chunk is 0)
-    whether it goes over Ray or the token channel: "kill" ends the call with ActorDiedError,
-    "freeze" sends nothing more, ever."""
+    whether it goes over Ray or the token channel: "kill" ends the call with ActorDiedError, "rpc"
+    with gRPC's error (Serve's handle calls over gRPC), "freeze" sends nothing more, ever."""
 
     def __init__(self, replica: LLMServer, request: GenerateRequest, fault: tuple[str, int] | None) -> None:
         self.stream = replica.generate_stream(request)
@@ -55,7 +56,7 @@ class FakeResponses:
 
     async def before_chunk(self) -> None:
         if self.fault is not None and self.sent >= self.fault[1]:
-            if self.fault[0] == "kill":
+            if self.fault[0] in ("kill", "rpc"):
                 raise Killed()
             await asyncio.Event().wait()  # frozen: nothing ever comes
         self.sent += 1
@@ -67,7 +68,11 @@ class FakeResponses:
                 self.queue.put_nowait(chunk)
             self.queue.put_nowait(StopAsyncIteration())
         except Killed:
-            self.queue.put_nowait(ActorDiedError())
+            if self.fault[0] == "rpc":  # a handle call over gRPC that broke
+                self.queue.put_nowait(grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(),
+                                                           grpc.aio.Metadata(), "stream reset"))
+            else:
+                self.queue.put_nowait(ActorDiedError())
         except Exception as exc:
             self.queue.put_nowait(exc)
 
@@ -175,7 +180,7 @@ async def collect(backend, req):
     return chunks, tokens, "".join(c.text for c in chunks)
 
 
-@pytest.mark.parametrize("fault", ["kill", "freeze"])
+@pytest.mark.parametrize("fault", ["kill", "freeze", "rpc"])
 @pytest.mark.parametrize("after_chunks", [1, 2, 6])
 def test_a_stream_whose_replica_dies_or_freezes_continues_on_another_whole(cluster, fault, after_chunks):
     handle, backend = cluster

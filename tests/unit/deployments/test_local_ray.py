@@ -33,7 +33,7 @@ def test_the_proxy_path_turns_off_what_the_others_turn_on():
     haproxy, direct, proxy = serving_path_env("haproxy", 8000), serving_path_env("direct", 8000), serving_path_env("proxy")
     assert set(proxy) <= set(direct) <= set(haproxy)
     assert proxy == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
-                     "RAY_SERVE_ENABLE_HA_PROXY": "0"}
+                     "RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
 
 
 @pytest.mark.parametrize("path, port", [("direct", None), ("direct", 0), ("direct", 65535), ("haproxy", None),
