@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo
-from deployments.metrics import AdmissionStats, FailoverCounters, ReplicaMetrics
+from deployments.metrics import AdmissionStats, FailoverCounters, ReplicaMetrics, TokenChannelCounters
 
 
 class Backend(Protocol):
@@ -47,4 +47,8 @@ class Backend(Protocol):
 
     def failover_counters(self) -> FailoverCounters | None:
         """Attempts failed over and requests migrated; None when this backend has one replica."""
+        ...
+
+    def token_channel_counters(self) -> TokenChannelCounters | None:
+        """What came over the token channel; None when this backend has none."""
         ...

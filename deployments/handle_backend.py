@@ -51,7 +51,7 @@ from ray.serve.handle import DeploymentHandle
 from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo, whole_response
 from deployments.errors import APIError, internal, not_ready, overloaded
 from deployments.ingress_admission import IngressAdmission
-from deployments.metrics import AdmissionStats, FailoverCounters, ReplicaMetrics
+from deployments.metrics import AdmissionStats, FailoverCounters, ReplicaMetrics, TokenChannelCounters
 from deployments.retry_policy import RetryPolicy
 from deployments.token_channel import END_OF_CALL, ChannelClosed, Inbox, TokenChannelServer
 
@@ -108,6 +108,13 @@ class HandleBackend:
 
     def admission_stats(self) -> AdmissionStats | None:
         return self.admission.stats() if self.admission is not None else None
+
+    def token_channel_counters(self) -> TokenChannelCounters | None:
+        channel = self.token_channel
+        if channel is None:
+            return None
+        return TokenChannelCounters(num_chunks=channel.num_frames, num_dropped=channel.num_dropped,
+                                    num_refused=channel.num_refused, num_open=channel.num_open)
 
     # ---- generation ---------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from typing import Any
 from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo, whole_response
 from deployments.ingress_admission import IngressAdmission
 from deployments.llm_server import LLMServer
-from deployments.metrics import AdmissionStats, FailoverCounters, ReplicaMetrics
+from deployments.metrics import AdmissionStats, FailoverCounters, ReplicaMetrics, TokenChannelCounters
 
 
 class LocalBackend:
@@ -46,4 +46,7 @@ class LocalBackend:
         return self.admission.stats() if self.admission is not None else None
 
     def failover_counters(self) -> FailoverCounters | None:
+        return None
+
+    def token_channel_counters(self) -> TokenChannelCounters | None:
         return None

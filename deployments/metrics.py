@@ -123,6 +123,20 @@ class FailoverCounters:
 
 
 @dataclass(slots=True, frozen=True)
+class TokenChannelCounters:
+    """The ingress's token channel (deployments/token_channel.py), since start."""
+
+    # Chunks that replicas on this node sent over it.
+    num_chunks: int
+    # Frames for attempts that had ended, dropped.
+    num_dropped: int
+    # Connections closed for not being a replica (no secret in time, a bad frame).
+    num_refused: int
+    # Attempts reading from it now.
+    num_open: int
+
+
+@dataclass(slots=True, frozen=True)
 class IngressMetrics:
     """What one ingress replica's /metrics shows, gathered at one scrape."""
 
@@ -136,6 +150,8 @@ class IngressMetrics:
     failover: FailoverCounters | None
     # (endpoint, status code) -> HTTP responses this ingress replica sent.
     http_responses: Mapping[tuple[str, int], int]
+    # None for a backend without a token channel.
+    token_channel: TokenChannelCounters | None = None
 
 
 def render_ingress_metrics(metrics: IngressMetrics) -> str:
@@ -155,6 +171,9 @@ def render_ingress_metrics(metrics: IngressMetrics) -> str:
             exposition.add(family, ingress)
     if metrics.failover is not None:
         for family in _failover_families(metrics.failover):
+            exposition.add(family, ingress)
+    if metrics.token_channel is not None:
+        for family in _token_channel_families(metrics.token_channel):
             exposition.add(family, ingress)
     responses = CounterMetricFamily("iterserve_http_responses_total", "HTTP responses by endpoint and status.",
                                     labels=["endpoint", "status"])
@@ -190,4 +209,19 @@ def _failover_families(counters: FailoverCounters) -> list[Metric]:
         CounterMetricFamily("iterserve_ingress_requests_migrated_total",
                             "Requests resumed on another replica after some tokens were sent.",
                             value=counters.num_migrated),
+    ]
+
+
+def _token_channel_families(counters: TokenChannelCounters) -> list[Metric]:
+    return [
+        CounterMetricFamily("iterserve_ingress_token_channel_chunks_total",
+                            "Chunks replicas on this node sent over the token channel instead of Serve.",
+                            value=counters.num_chunks),
+        CounterMetricFamily("iterserve_ingress_token_channel_dropped_total",
+                            "Token channel frames for attempts that had ended, dropped.", value=counters.num_dropped),
+        CounterMetricFamily("iterserve_ingress_token_channel_refused_total",
+                            "Token channel connections closed for not opening as a replica does.",
+                            value=counters.num_refused),
+        GaugeMetricFamily("iterserve_ingress_token_channel_open_attempts",
+                          "Attempts reading chunks from the token channel now.", value=counters.num_open),
     ]

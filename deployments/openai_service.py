@@ -58,7 +58,7 @@ class OpenAIService:
             model_name=self.info.served_model_name, ingress_id=self.ingress_id,
             replicas=await backend.metrics_snapshots(), replica_states=await backend.replica_states(),
             admission=backend.admission_stats(), failover=backend.failover_counters(),
-            http_responses=dict(self.http_responses)))
+            http_responses=dict(self.http_responses), token_channel=backend.token_channel_counters()))
 
     def record_response(self, endpoint: str, status: int) -> None:
         key = (endpoint, status)

@@ -141,6 +141,22 @@ def test_two_replicas_both_serve(app, client):
     assert health.status_code == 200 and health.json()["ready_replicas"] == 2
 
 
+def test_the_replicas_on_the_ingress_node_stream_over_the_token_channel(app, client):
+    """Both replicas share the ingress's node: every chunk after admission comes over the token
+    channel (deployments/token_channel.py), and the ingress counts them."""
+    def channel_chunks() -> float:
+        return sum(metric_samples(client.get("/metrics").text, "iterserve_ingress_token_channel_chunks_total").values())
+
+    before = channel_chunks()
+    body = {"prompt": "Stream me", "max_tokens": 6, "stream": True, "ignore_eos": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200 and "[DONE]" in response.read().decode()
+    metrics = client.get("/metrics").text
+    assert channel_chunks() > before
+    assert sum(metric_samples(metrics, "iterserve_ingress_token_channel_refused_total").values()) == 0
+    assert sum(metric_samples(metrics, "iterserve_ingress_token_channel_open_attempts").values()) == 0
+
+
 def test_batch_traffic_is_shed_with_429_under_overload(app, client):
     long_prompt = list(range(3, 1503))  # 1500 tokens: three prefill steps each, so a queue builds
 

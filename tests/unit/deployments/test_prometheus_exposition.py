@@ -3,6 +3,7 @@
 values and labels."""
 
 import asyncio
+import dataclasses
 import math
 import pickle
 import random
@@ -314,6 +315,21 @@ def test_the_ingress_exposition_names_helps_and_labels():
         'iterserve_http_responses_total{endpoint="/v1/completions",ingress="ing",status="200"} 5.0',
         'iterserve_http_responses_total{endpoint="/v1/completions",ingress="ing",status="429"} 1.0',
     ]
+
+
+def test_the_token_channel_counts_are_the_ingress_s_own():
+    from deployments.metrics import TokenChannelCounters
+
+    metrics = dataclasses.replace(_ingress_metrics(), token_channel=TokenChannelCounters(
+        num_chunks=40, num_dropped=2, num_refused=1, num_open=3))
+    text = render_ingress_metrics(metrics)
+    ingress = 'ingress="ing",model_name="m"'
+    for line in (f"iterserve_ingress_token_channel_chunks_total{{{ingress}}} 40.0",
+                 f"iterserve_ingress_token_channel_dropped_total{{{ingress}}} 2.0",
+                 f"iterserve_ingress_token_channel_refused_total{{{ingress}}} 1.0",
+                 f"iterserve_ingress_token_channel_open_attempts{{{ingress}}} 3.0",
+                 "# TYPE iterserve_ingress_token_channel_open_attempts gauge"):
+        assert line in text.splitlines()
 
 
 def test_a_backend_without_admission_or_failover_shows_neither():
