@@ -33,6 +33,13 @@ LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # of its step (docs/benchmarks.md, 'Speed on the CPU against vLLM, third pass'). What waits on the
 # loop (a replica's start or replacement, an autoscaling decision) starts up to 0.4 s later.
 SHARED_MACHINE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+# Serve's settings for faults, each kept when the environment already names it. A replica that
+# fails its health checks is killed at once, not stopped gracefully: Serve asked a frozen replica
+# to shut down and waited out its graceful_shutdown_timeout_s (the ingress's 20 s, LLMServer's
+# drain_timeout_s) before killing it, and Serve's proxy held the requests for a frozen ingress until
+# then (32 s after a SIGSTOP, 12 s with this; tests/integration/test_faults.py). An unhealthy
+# LLMServer's streams are resumed elsewhere by the ingress either way (deployments/handle_backend.py).
+FAULT_ENV = {"RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1"}
 SETUP_HOOK = "deployments.local_ray.loopback_setup_hook"
 
 SERVING_PATHS = ("direct", "haproxy", "proxy")
@@ -173,7 +180,7 @@ def init_local_ray(serving_path: str = "proxy", http_port: int | None = None, **
 
     for name, value in LOOPBACK_ENV.items():
         _set_env(name, value)
-    for name, value in SHARED_MACHINE_ENV.items():
+    for name, value in {**SHARED_MACHINE_ENV, **FAULT_ENV}.items():
         _set_env(name, value, keep=True)
     for name, value in serving_path_env(serving_path, http_port).items():
         _set_env(name, value)

@@ -19,13 +19,14 @@ def test_serves_control_loop_is_slowed_for_a_shared_machine_unless_the_environme
     started = []
     monkeypatch.setattr(ray, "init", lambda **kwargs: started.append(kwargs))
     # Whatever init_local_ray sets is put back after the test.
-    for name in [*local_ray.SHARED_MACHINE_ENV, *local_ray.LOOPBACK_ENV, *serving_path_env("proxy"),
+    for name in [*local_ray.SHARED_MACHINE_ENV, *local_ray.FAULT_ENV, *local_ray.LOOPBACK_ENV, *serving_path_env("proxy"),
                  http_guard.CALLBACK_ENV]:
         monkeypatch.delenv(name, raising=False)
     if preset is not None:
         monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", preset)
     local_ray.init_local_ray("proxy")
     assert started and os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == expected
+    assert os.environ["RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS"] == "1"
     local_ray.restore_environment()
 
 
@@ -38,7 +39,7 @@ def test_each_start_takes_its_own_environment_and_leaves_none_behind(monkeypatch
     from deployments import http_guard, local_ray
 
     monkeypatch.setattr(ray, "init", lambda **kwargs: None)
-    names = [*local_ray.SHARED_MACHINE_ENV, *local_ray.LOOPBACK_ENV, *serving_path_env("haproxy", 8000),
+    names = [*local_ray.SHARED_MACHINE_ENV, *local_ray.FAULT_ENV, *local_ray.LOOPBACK_ENV, *serving_path_env("haproxy", 8000),
              *local_ray.haproxy_env(), "ITERSERVE_HTTP_HEADER_TIMEOUT_S", http_guard.CALLBACK_ENV]
     for name in names:
         monkeypatch.delenv(name, raising=False)
