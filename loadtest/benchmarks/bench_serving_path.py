@@ -20,7 +20,12 @@ One run, on the same requests (random prompt tokens, a fixed output length, EOS 
    (loadtest/benchmarks/peer_vllm.py), driven by the same client and requests, its own histograms scraped.
    With `--vllm-client` too, vLLM's own client (`vllm bench serve`, random prompts, EOS ignored)
    drives both servers at --rate and all at once, so that our client cannot flatter us: its
-   figures and ours over vLLM's go under `vllm_client` in the JSON.
+   figures and ours over vLLM's go under `vllm_client` in the JSON. After its server stops, vLLM's
+   engine alone (`vllm.LLM.generate`, loadtest/benchmarks/vllm_offline_burst.py) runs the same
+   burst twice: vllm_offline_tokens_per_s, vllm_http_over_vllm_offline_throughput (its served
+   burst over its offline one, beside our http_over_offline_throughput) and
+   offline_tokens_per_s_over_vllm_offline. (vllm_http_over_offline_throughput is vLLM served over
+   our engine alone.)
 
 TPOT is (E2E - TTFT) / (output tokens - 1), vLLM's definition, and ITL the gap between content
 chunks. The last line printed is one JSON object: offline_decode_step_ms, offline_tpot_p50_ms,
@@ -261,7 +266,7 @@ def _warm_up(config: ClientConfig, burst: list[BenchRequest]) -> None:
 
 def peer_vllm(args: argparse.Namespace, burst: list[BenchRequest], light: list[BenchRequest]) -> dict[str, Any]:
     """The same requests, the same client, against `vllm serve` of the same checkpoint and dtype."""
-    from loadtest.benchmarks.peer_vllm import VLLMServer, ensure_vllm
+    from loadtest.benchmarks.peer_vllm import VLLMServer, ensure_vllm, run_vllm_offline
     from model_worker.runner.cpu_features import has_native_bf16
     from model_worker.checkpoints.models import resolve_model, served_name
 
@@ -288,7 +293,26 @@ def peer_vllm(args: argparse.Namespace, burst: list[BenchRequest], light: list[B
             print(summary_line({"label": f"vllm {run}", "summary": runs[run]["summary"]}), flush=True)
         if args.vllm_client:
             runs["vllm_client"] = vllm_client_runs(args, server.base_url, name, "vllm")
+    # vLLM's engine alone on the same burst, after its server is gone: how much of its offline
+    # throughput its own serving path keeps, read beside ours.
+    try:
+        runs["offline"] = run_vllm_offline(server.config, [r.prompt_token_ids for r in burst], args.output_tokens,
+                                           args.out)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the other figures of the run still count
+        runs["offline"] = {"error": str(exc)[-2000:]}
+    print(f"vllm offline: {runs['offline']}", flush=True)
     return runs
+
+
+def vllm_offline_figures(figures: dict[str, Any], offline_run: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's burst offline (the mean of its rounds), its served burst over it, and ours offline over it."""
+    rounds = offline_run.get("tokens_per_s")
+    if not rounds:
+        return {"vllm_offline_error": offline_run.get("error", "no rounds")}
+    tok_s = statistics.fmean(rounds)
+    return {"vllm_offline_tokens_per_s": tok_s, "vllm_offline_tokens_per_s_rounds": rounds,
+            "vllm_http_over_vllm_offline_throughput": figures["vllm_http_tokens_per_s"] / tok_s,
+            "offline_tokens_per_s_over_vllm_offline": figures["offline_tokens_per_s"] / tok_s}
 
 
 def vllm_client_plan(args: argparse.Namespace) -> list[tuple[str, float | None, int, int]]:
@@ -573,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         peer = peer_vllm(args, burst, light)
         figures.update(served_figures(off, peer, prefix="vllm_"))
         figures.update(versus_peer(figures, "vllm"))
+        figures.update(vllm_offline_figures(figures, peer["offline"]))
         if args.vllm_client:
             figures["vllm_client"] = vllm_client_figures(http[""]["vllm_client"], peer["vllm_client"])
     figures["config"] = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "engine_args": args.engine_args,

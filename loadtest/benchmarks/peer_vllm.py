@@ -346,3 +346,37 @@ def run_vllm_client(argv: Sequence[str], result_path: Path, log_path: Path, time
     if figures.get("failed", 0) > 0:
         raise RuntimeError(f"vllm bench serve: {figures['failed']:.0f} requests failed; see {log_path}")
     return figures
+
+
+# vLLM's engine alone (`vllm.LLM`) on the same burst: what its served burst is read against.
+OFFLINE_SCRIPT = Path(__file__).with_name("vllm_offline_burst.py")
+
+
+def vllm_offline_spec(config: VLLMServerConfig, prompts: Sequence[Sequence[int]], output_tokens: int,
+                      rounds: int = 2) -> dict[str, object]:
+    """What vllm_offline_burst.py runs: the server's checkpoint, dtype, context and KV-cache share."""
+    if not prompts or output_tokens < 1 or rounds < 1:
+        raise ValueError("an offline burst needs prompts, output_tokens >= 1 and rounds >= 1")
+    return {"model": config.model_dir, "dtype": config.dtype, "max_model_len": config.max_model_len,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "prompts": [[int(t) for t in p] for p in prompts], "output_tokens": output_tokens, "rounds": rounds}
+
+
+def run_vllm_offline(config: VLLMServerConfig, prompts: Sequence[Sequence[int]], output_tokens: int, out_dir: Path,
+                     rounds: int = 2, timeout_s: float = 1200) -> dict[str, list[float]]:
+    """vLLM's engine alone on `prompts` at once, `rounds` times, with the cores and settings its
+    server gets (cpu_backend_env); {"tokens_per_s": [...], ...}. Raises if it failed."""
+    import json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec_path, result_path, log_path = out_dir / "vllm-offline.json", out_dir / "vllm-offline-result.json", out_dir / "vllm-offline.log"
+    spec_path.write_text(json.dumps(vllm_offline_spec(config, prompts, output_tokens, rounds)))
+    result_path.unlink(missing_ok=True)
+    env = {k: v for k, v in _without_python_paths(os.environ).items() if k not in OVERRIDDEN_ENV}
+    with open(log_path, "ab") as log:
+        code = subprocess.run([str(config.python), str(OFFLINE_SCRIPT), str(spec_path), str(result_path)],
+                              env={**env, **cpu_backend_env(config)}, stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, timeout=timeout_s, start_new_session=True).returncode
+    if code != 0 or not result_path.exists():
+        raise RuntimeError(f"vLLM offline burst exited with code {code}; end of {log_path}:\n{log_tail(log_path)}")
+    return json.loads(result_path.read_text())

@@ -78,3 +78,13 @@ def test_vllms_client_draws_the_burst_apart_from_the_light_run():
     assert [(run, rate, count) for run, rate, count, _ in plan] == [("light", 0.5, 7), ("burst", None, 9)]
     seeds = [seed for *_, seed in plan]
     assert len(set(seeds)) == 2 and seeds[0] == 3
+
+
+def test_vllms_offline_burst_is_read_beside_its_served_one_and_ours():
+    from loadtest.benchmarks.bench_serving_path import vllm_offline_figures
+
+    figures = {"vllm_http_tokens_per_s": 450.0, "offline_tokens_per_s": 700.0}
+    got = vllm_offline_figures(figures, {"tokens_per_s": [480.0, 520.0]})
+    assert got == {"vllm_offline_tokens_per_s": 500.0, "vllm_offline_tokens_per_s_rounds": [480.0, 520.0],
+                   "vllm_http_over_vllm_offline_throughput": 0.9, "offline_tokens_per_s_over_vllm_offline": 1.4}
+    assert vllm_offline_figures(figures, {"error": "exited with code 3"}) == {"vllm_offline_error": "exited with code 3"}

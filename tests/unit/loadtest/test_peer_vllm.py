@@ -299,3 +299,54 @@ def test_a_failed_vllm_client_run_is_an_error(tmp_path, result, code, message):
     path = tmp_path / "r.json"
     with pytest.raises(RuntimeError, match=message):
         pv.run_vllm_client([*_fake_client(result, code), str(path)], path, tmp_path / "log")
+
+
+# --- vLLM's engine alone on the burst
+
+
+def test_the_offline_burst_runs_with_the_servers_checkpoint_dtype_and_kv_share(tmp_path):
+    cfg = config(tmp_path, dtype="float32", max_model_len=1024, gpu_memory_utilization=0.25)
+    spec = pv.vllm_offline_spec(cfg, [(5, 6, 7), [8, 9]], 64)
+    assert spec == {"model": "/models/smol", "dtype": "float32", "max_model_len": 1024, "gpu_memory_utilization": 0.25,
+                    "prompts": [[5, 6, 7], [8, 9]], "output_tokens": 64, "rounds": 2}
+    json.dumps(spec)  # written to a file for the peer's interpreter
+    for prompts, output_tokens, rounds in (([], 64, 2), ([(1,)], 0, 2), ([(1,)], 64, 0)):
+        with pytest.raises(ValueError):
+            pv.vllm_offline_spec(cfg, prompts, output_tokens, rounds)
+
+
+FAKE_OFFLINE = """
+import json, os, sys
+spec = json.load(open(sys.argv[1]))
+if spec["output_tokens"] == 13:
+    print("RuntimeError: fake engine core failed"); sys.exit(3)
+env = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE")}
+n = len(spec["prompts"]) * spec["output_tokens"]
+json.dump({"tokens_per_s": [n / 2.0] * spec["rounds"], "output_tokens": [n] * spec["rounds"],
+           "elapsed_s": [2.0] * spec["rounds"], "env": env}, open(sys.argv[2], "w"))
+"""
+
+
+def fake_offline_python(tmp_path: Path) -> Path:
+    """An executable that takes run_vllm_offline's command line (script, spec, result) and runs
+    FAKE_OFFLINE in place of the script."""
+    (tmp_path / "fake_offline.py").write_text(FAKE_OFFLINE)
+    path = tmp_path / "python"
+    path.write_text(f'#!/bin/sh\nshift 1\nexec "{sys.executable}" "{tmp_path / "fake_offline.py"}" "$@"\n')
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def test_the_offline_burst_gets_the_servers_cores_and_none_of_our_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/work/main")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "40")
+    cfg = config(tmp_path, python=fake_offline_python(tmp_path))
+    result = pv.run_vllm_offline(cfg, [(5, 6, 7)] * 4, 16, tmp_path / "out", rounds=3)
+    assert result["tokens_per_s"] == [32.0, 32.0, 32.0] and result["output_tokens"] == [64, 64, 64]
+    assert result["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0,1", "PYTHONPATH": None, "VLLM_CPU_KVCACHE_SPACE": None}
+
+
+def test_a_failed_offline_burst_is_an_error_with_its_log(tmp_path):
+    cfg = config(tmp_path, python=fake_offline_python(tmp_path))
+    with pytest.raises(RuntimeError, match="fake engine core failed"):
+        pv.run_vllm_offline(cfg, [(5, 6, 7)], 13, tmp_path / "out")
