@@ -31,7 +31,7 @@ HEADER_TIMEOUT_S = 2.0
 # An interactive request with no first token after this long gets 503 queue_timeout.
 QUEUE_TIMEOUT_S = 4.0
 # No request sent after the ingress replica died or froze waits this long for its answer.
-INGRESS_RECOVERY_S = 20.0
+INGRESS_RECOVERY_S = 25.0
 
 
 @pytest.fixture(scope="module")
