@@ -13,6 +13,7 @@ The server runs as `python -m vllm.entrypoints.openai.api_server` in its own ses
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -192,8 +193,14 @@ def server_launch(config: VLLMServerConfig, base_env: Mapping[str, str]) -> Serv
             "--max-model-len", str(config.max_model_len),
             "--gpu-memory-utilization", str(config.gpu_memory_utilization),
             *config.extra_args]
+    return ServerLaunch(argv, peer_env(config, base_env))
+
+
+def peer_env(config: VLLMServerConfig, base_env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a peer process (its server, or its engine alone): ours without our Python
+    paths or the inherited values cpu_backend_env decides, then those."""
     env = {k: v for k, v in _without_python_paths(base_env).items() if k not in OVERRIDDEN_ENV}
-    return ServerLaunch(argv, {**env, **cpu_backend_env(config)})
+    return {**env, **cpu_backend_env(config)}
 
 
 # Inherited values that would silently change the peer's set-up: the KV cache size, when set,
@@ -333,8 +340,6 @@ def vllm_client_argv(python: Path, base_url: str, model_name: str, tokenizer: st
 def run_vllm_client(argv: Sequence[str], result_path: Path, log_path: Path, timeout_s: float = 1800) -> dict[str, float]:
     """Run vLLM's client; its figures by our names (VLLM_CLIENT_FIGURES). Raises if it failed
     or any request did."""
-    import json
-
     result_path.unlink(missing_ok=True)
     with open(log_path, "ab") as log:
         code = subprocess.run(argv, env=_without_python_paths(os.environ), stdout=log, stderr=subprocess.STDOUT,
@@ -365,18 +370,23 @@ def vllm_offline_spec(config: VLLMServerConfig, prompts: Sequence[Sequence[int]]
 def run_vllm_offline(config: VLLMServerConfig, prompts: Sequence[Sequence[int]], output_tokens: int, out_dir: Path,
                      rounds: int = 2, timeout_s: float = 1200) -> dict[str, list[float]]:
     """vLLM's engine alone on `prompts` at once, `rounds` times, with the cores and settings its
-    server gets (cpu_backend_env); {"tokens_per_s": [...], ...}. Raises if it failed."""
-    import json
-
+    server gets (peer_env); {"tokens_per_s": [...], ...}. Raises if it failed or outran timeout_s
+    (its whole process group, engine core included, is killed then)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_path, result_path, log_path = out_dir / "vllm-offline.json", out_dir / "vllm-offline-result.json", out_dir / "vllm-offline.log"
     spec_path.write_text(json.dumps(vllm_offline_spec(config, prompts, output_tokens, rounds)))
     result_path.unlink(missing_ok=True)
-    env = {k: v for k, v in _without_python_paths(os.environ).items() if k not in OVERRIDDEN_ENV}
     with open(log_path, "ab") as log:
-        code = subprocess.run([str(config.python), str(OFFLINE_SCRIPT), str(spec_path), str(result_path)],
-                              env={**env, **cpu_backend_env(config)}, stdout=log, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, timeout=timeout_s, start_new_session=True).returncode
+        process = subprocess.Popen([str(config.python), str(OFFLINE_SCRIPT), str(spec_path), str(result_path)],
+                                   env=peer_env(config, os.environ), stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            code = process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(process.pid, signal.SIGKILL)
+            _wait_group_gone(process, process.pid, 10.0)
+            raise RuntimeError(f"vLLM offline burst did not finish within {timeout_s:.0f} s; end of {log_path}:\n"
+                               f"{log_tail(log_path)}") from None
     if code != 0 or not result_path.exists():
         raise RuntimeError(f"vLLM offline burst exited with code {code}; end of {log_path}:\n{log_tail(log_path)}")
     return json.loads(result_path.read_text())

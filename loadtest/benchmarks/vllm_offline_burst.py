@@ -18,7 +18,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    spec = json.loads(open(sys.argv[1]).read())
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
               gpu_memory_utilization=spec["gpu_memory_utilization"])
     prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in spec["prompts"]]

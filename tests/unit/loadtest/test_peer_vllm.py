@@ -350,3 +350,30 @@ def test_a_failed_offline_burst_is_an_error_with_its_log(tmp_path):
     cfg = config(tmp_path, python=fake_offline_python(tmp_path))
     with pytest.raises(RuntimeError, match="fake engine core failed"):
         pv.run_vllm_offline(cfg, [(5, 6, 7)], 13, tmp_path / "out")
+
+
+def test_an_offline_burst_past_its_time_is_killed_with_its_whole_group(tmp_path):
+    (tmp_path / "fake_offline.py").write_text(
+        "import subprocess, sys, time\n"
+        "print('loading weights', flush=True)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"  # its engine core
+        "open(sys.argv[2] + '.child', 'w').write(str(child.pid))\n"
+        "time.sleep(300)\n")
+    path = tmp_path / "python"
+    path.write_text(f'#!/bin/sh\nshift 1\nexec "{sys.executable}" "{tmp_path / "fake_offline.py"}" "$@"\n')
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    out = tmp_path / "out"
+    started_s = time.monotonic()
+    with pytest.raises(RuntimeError, match="loading weights"):
+        pv.run_vllm_offline(config(tmp_path, python=path), [(5, 6, 7)], 4, out, timeout_s=1.5)
+    assert time.monotonic() - started_s < 20
+    child = int((out / "vllm-offline-result.json.child").read_text())
+    deadline_s = time.monotonic() + 5
+    while time.monotonic() < deadline_s:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the offline burst's child outlived it")
