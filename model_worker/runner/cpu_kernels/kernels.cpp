@@ -201,15 +201,18 @@ inline void from_pair_order(float* p) {
 // not one stride per kv head), first K for the scores of the 16 positions (their 16 dot products
 // summed across lanes together), then, after the exponentials, V weighted by them.
 //
-// With `touch`, before each of the two, one pass of plain loads over the range's K (then V) slots
-// brings them into L2 (a range is at most ops.SPLIT_LEN = 256 positions: 96 KB of K for SmolLM2 in
-// bfloat16, 1 MB for 8 kv heads of 128 in float32). A loop that only loads keeps as many misses in
-// flight as the core can track; the compute loops, with their hundreds of instructions between two
-// slots, kept few, and prefetch instructions a tile ahead changed nothing measurable. 64 rows at
-// 290 positions over 30 layers' caches: 48 ms a step with the prefetches, 33 with the pass; a
-// plain read of the same 6 KB blocks in random order runs at 19 GB/s on this machine, the kernel
-// read them at 9 (docs/benchmarks.md, thirteenth pass). Without `touch` (a step of few parts), each
-// tile's slots are prefetched while the one before is computed.
+// With `touch`, before the K pass, one pass of plain loads over the range's K and V slots together
+// brings them into L2 (a range is at most ops.SPLIT_LEN = 256 positions: 96 KB of K and 96 KB of V
+// for SmolLM2 in bfloat16, 1 MB each for 8 kv heads of 128 in float32). A loop that only loads keeps
+// as many misses in flight as the core can track; the compute loops, with their hundreds of
+// instructions between two slots, kept few, and prefetch instructions a tile ahead changed nothing
+// measurable. 64 rows at 290 positions over 30 layers' caches: 48 ms a step with the prefetches,
+// 33 with a pass over K before the K pass and one over V before the V pass; a plain read of the
+// same 6 KB blocks in random order runs at 19 GB/s on this machine, the kernel read them at 9
+// (docs/benchmarks.md, thirteenth pass). One pass over both, two streams at once, is 5-8% faster
+// again at 60 rows (sixteenth pass); loads of the V range or the next part's K spread between the
+// K tiles' compute, or prefetches in their place, were 10-30% slower. Without `touch` (a step of
+// few parts), each tile's slots are prefetched while the one before is computed.
 template <typename T, int G, int C>
 void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* blocks, int64_t num_kv_heads,
                         int64_t block_size, const float* query, const T* raw_query, float scale, int64_t begin,
@@ -237,21 +240,19 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
       for (int64_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
     }
   };
-  // With `touch`, every slot of the range in one cache, line by line, into L2; without, the first
-  // tile's prefetches (the passes prefetch the rest a tile ahead).
-  auto load_range = [&](const T* cache) {
-    if (!touch) {
-      prefetch_tile(cache, begin);
-      return;
-    }
+  // With `touch`, every K and V slot of the range, line by line, into L2.
+  if (touch) {
     __m512i seen = _mm512_setzero_si512();
     for (int64_t i = 0; i < len; ++i) {
-      const char* p = reinterpret_cast<const char*>(cache + offsets[i]);
-      for (int64_t b = 0; b < slot_bytes; b += 64) seen = _mm512_or_si512(seen, _mm512_loadu_si512(p + b));
+      const char* k = reinterpret_cast<const char*>(k_cache + offsets[i]);
+      const char* v = reinterpret_cast<const char*>(v_cache + offsets[i]);
+      for (int64_t b = 0; b < slot_bytes; b += 64)
+        seen = _mm512_or_si512(seen, _mm512_or_si512(_mm512_loadu_si512(k + b), _mm512_loadu_si512(v + b)));
     }
     asm volatile("" : : "v"(seen));  // the loads are the point: keep them
-  };
-  load_range(k_cache);
+  } else {
+    prefetch_tile(k_cache, begin);  // the K pass prefetches the rest a tile ahead
+  }
   for (int64_t tile = begin; tile < end; tile += 16) {
     if (!touch) prefetch_tile(k_cache, tile + 16);
     const int n = static_cast<int>(std::min<int64_t>(16, end - tile));
@@ -327,7 +328,7 @@ void decode_part_avx512(const T* k_cache, const T* v_cache, const int64_t* block
     denom[h] = _mm512_reduce_add_ps(total);
   }
   std::fill(acc, acc + num_heads * D, 0.f);
-  load_range(v_cache);
+  if (!touch) prefetch_tile(v_cache, begin);  // the V pass prefetches the rest a tile ahead
   for (int64_t tile = begin; tile < end; tile += 16) {
     if (!touch) prefetch_tile(v_cache, tile + 16);
     const int64_t stop = std::min<int64_t>(tile + 16, end);
