@@ -327,10 +327,10 @@ json.dump({"tokens_per_s": [n / 2.0] * spec["rounds"], "output_tokens": [n] * sp
 """
 
 
-def fake_offline_python(tmp_path: Path) -> Path:
+def fake_offline_python(tmp_path: Path, script: str = FAKE_OFFLINE) -> Path:
     """An executable that takes run_vllm_offline's command line (script, spec, result) and runs
-    FAKE_OFFLINE in place of the script."""
-    (tmp_path / "fake_offline.py").write_text(FAKE_OFFLINE)
+    `script` in place of the script."""
+    (tmp_path / "fake_offline.py").write_text(script)
     path = tmp_path / "python"
     path.write_text(f'#!/bin/sh\nshift 1\nexec "{sys.executable}" "{tmp_path / "fake_offline.py"}" "$@"\n')
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
@@ -353,15 +353,13 @@ def test_a_failed_offline_burst_is_an_error_with_its_log(tmp_path):
 
 
 def test_an_offline_burst_past_its_time_is_killed_with_its_whole_group(tmp_path):
-    (tmp_path / "fake_offline.py").write_text(
+    path = fake_offline_python(
+        tmp_path,
         "import subprocess, sys, time\n"
         "print('loading weights', flush=True)\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"  # its engine core
         "open(sys.argv[2] + '.child', 'w').write(str(child.pid))\n"
         "time.sleep(300)\n")
-    path = tmp_path / "python"
-    path.write_text(f'#!/bin/sh\nshift 1\nexec "{sys.executable}" "{tmp_path / "fake_offline.py"}" "$@"\n')
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
     out = tmp_path / "out"
     started_s = time.monotonic()
     with pytest.raises(RuntimeError, match="loading weights"):
