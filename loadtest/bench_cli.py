@@ -180,6 +180,13 @@ def write_outputs(out_dir: Path, runs: list[dict[str, Any]]) -> None:
     save_runs(out_dir / "runs.json", runs)
 
 
+def write_figures(out_dir: Path, name: str, figures: dict[str, Any]) -> None:
+    """A benchmark's figures: into out_dir/name.json, and printed as its last line (one JSON object)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(figures, indent=1))
+    print(json.dumps(figures), flush=True)
+
+
 def _rate_text(rate: float | None) -> str:
     return "all at once" if rate is None else f"{rate:g} req/s"
 

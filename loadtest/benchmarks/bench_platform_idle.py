@@ -41,6 +41,7 @@ from typing import Any
 import psutil
 
 from deployments.local_ray import DEFAULT_SERVING_PATH, SERVING_PATHS
+from loadtest.bench_cli import token_pool, write_figures
 from loadtest.benchmarks import bench_serving_path as bsp
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -63,8 +64,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 def engine_alone(rest: list[str]) -> dict[str, float]:
     """bench_serving_path's offline run, reduced to the figures the ratios need."""
-    from loadtest.bench_cli import token_pool
-
     args = bsp.parse_args(rest)
     burst, light = bsp.workloads(args, token_pool(args.model))
     off = bsp.offline(args, burst, light)
@@ -158,7 +157,6 @@ def serve_idle_app(args: argparse.Namespace, rest: list[str]) -> tuple[Any, list
     from ray import serve
 
     from deployments.app import build_app
-    from loadtest.bench_cli import token_pool
     from loadtest.client import ClientConfig
     from loadtest.local_serve import start_local_serve
 
@@ -210,9 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = measure(args, rest)
     figures["config"] = {"serving_path": args.serving_path, "rounds": args.rounds, "workload_args": rest,
                          "cpu_count": os.cpu_count(), "total_s": time.monotonic() - started_s}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "platform_idle.json").write_text(json.dumps(figures, indent=1))
-    print(json.dumps(figures), flush=True)
+    write_figures(args.out, "platform_idle", figures)
     return 0
 
 

@@ -53,7 +53,7 @@ import numpy as np
 
 from deployments.local_ray import DEFAULT_SERVING_PATH, SERVING_PATHS
 from loadtest import workloads as wl
-from loadtest.bench_cli import summary_line, token_pool
+from loadtest.bench_cli import summary_line, token_pool, write_figures
 from loadtest.client import ClientConfig, run_load
 from loadtest.engine_driver import run_engine
 from loadtest.local_serve import start_local_serve, stop_local_serve
@@ -607,9 +607,7 @@ def main(argv: list[str] | None = None) -> int:
                          "served": args.served, "serving_path": args.serving_path, "num_requests": args.num_requests, "rate": args.rate, "rate_requests": args.rate_requests,
                          "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                          "cpu_count": os.cpu_count(), "total_s": time.monotonic() - started_s}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serving_path.json").write_text(json.dumps(figures, indent=1))
-    print(json.dumps(figures), flush=True)
+    write_figures(args.out, "serving_path", figures)
     return 0
 
 
