@@ -113,12 +113,11 @@ def cpu_seconds(pids: dict[int, str]) -> dict[int, float]:
     return out
 
 
-def cpu_by_name(pids: dict[int, str], before: dict[int, float], after: dict[int, float], wall_s: float) -> dict[str, float]:
-    """Share of one core each process name took over wall_s, largest first."""
+def cpu_by_name(pids: dict[int, str], cpu_s: dict[int, float], wall_s: float) -> dict[str, float]:
+    """Share of one core each process label took over wall_s (cpu_s: pid -> CPU-seconds), largest first."""
     shares: dict[str, float] = {}
-    for pid, name in pids.items():
-        if pid in before and pid in after:
-            shares[name] = shares.get(name, 0.0) + (after[pid] - before[pid]) / wall_s
+    for pid, seconds in cpu_s.items():
+        shares[pids[pid]] = shares.get(pids[pid], 0.0) + seconds / wall_s
     return {name: round(share, 4) for name, share in sorted(shares.items(), key=lambda kv: -kv[1])}
 
 
@@ -182,15 +181,13 @@ def measure(args: argparse.Namespace, rest: list[str]) -> dict[str, Any]:
                 stopped_figures = run_turn(rest)
             before, started_s = cpu_seconds(platform), time.monotonic()
             idle_figures = run_turn(rest)
-            wall_s = time.monotonic() - started_s
+            idle_wall_s += time.monotonic() - started_s
             after = cpu_seconds(platform)
-            idle_wall_s += wall_s
-            for pid in platform:
-                if pid in before and pid in after:
-                    idle_cpu[pid] = idle_cpu.get(pid, 0.0) + after[pid] - before[pid]
+            for pid in before.keys() & after.keys():
+                idle_cpu[pid] = idle_cpu.get(pid, 0.0) + after[pid] - before[pid]
             rounds.append({"stopped": stopped_figures, "idle": idle_figures})
             print(f"round {i + 1}: {json.dumps(rounds[-1])}", flush=True)
-        by_name = cpu_by_name(platform, {pid: 0.0 for pid in idle_cpu}, idle_cpu, idle_wall_s)
+        by_name = cpu_by_name(platform, idle_cpu, idle_wall_s)
         answer_a_few(client, burst)  # the application outlived its stops
         return {"rounds": rounds, **summarize(rounds), "platform_processes": len(platform),
                 "platform_idle_cpu_share_of_a_core": round(sum(by_name.values()), 4),

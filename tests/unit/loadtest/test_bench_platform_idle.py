@@ -38,7 +38,7 @@ def test_summary_takes_medians_per_turn_and_the_idle_over_stopped_ratios():
 
 def test_cpu_by_name_sums_processes_of_a_name_as_shares_of_a_core():
     names = {1: "raylet", 2: "ray::IDLE", 3: "ray::IDLE", 4: "gone"}
-    shares = bpi.cpu_by_name(names, {1: 1.0, 2: 0.0, 3: 0.5}, {1: 1.5, 2: 0.2, 3: 0.9}, wall_s=10.0)
+    shares = bpi.cpu_by_name(names, {1: 0.5, 2: 0.2, 3: 0.4}, wall_s=10.0)
     assert shares == {"ray::IDLE": pytest.approx(0.06), "raylet": pytest.approx(0.05)}
     assert list(shares) == ["ray::IDLE", "raylet"]
 
