@@ -140,14 +140,8 @@ def summarize(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
 
 
 def answer_a_few(client: Any, burst: list[Any]) -> None:
-    """Four short requests through the served application; raises unless each one completes."""
-    import asyncio
-
-    from loadtest.client import run_load
-    from loadtest.traces import BenchRequest
-
-    few = [BenchRequest(f"few-{i}-{time.monotonic_ns()}", burst[i].prompt_token_ids[::-1], 8, 0.0) for i in range(4)]
-    bsp._check_all_ok("short requests", asyncio.run(run_load(few, client)).results)
+    """bench_serving_path's four warm-up requests; raises unless each one completes."""
+    bsp._check_all_ok("short requests", bsp._warm_up(client, burst))
 
 
 def serve_idle_app(args: argparse.Namespace, rest: list[str]) -> tuple[Any, list[Any]]:

@@ -259,9 +259,9 @@ def served_variant(args: argparse.Namespace, burst: list[BenchRequest], light: l
     return served(variant, burst, light, args.served[0], args.serving_path[0])
 
 
-def _warm_up(config: ClientConfig, burst: list[BenchRequest]) -> None:
+def _warm_up(config: ClientConfig, burst: list[BenchRequest]) -> list[RequestResult]:
     warm = [BenchRequest(f"warm-{i}", burst[i].prompt_token_ids[::-1], 8, 0.0) for i in range(4)]
-    asyncio.run(run_load(warm, config))
+    return asyncio.run(run_load(warm, config)).results
 
 
 def peer_vllm(args: argparse.Namespace, burst: list[BenchRequest], light: list[BenchRequest]) -> dict[str, Any]:
