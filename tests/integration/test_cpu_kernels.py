@@ -481,7 +481,7 @@ def test_panel_linear_matches_a_float64_matmul_with_bias_and_residual(dtype, row
     that are not a multiple of AMX's 32 (the AVX-512 path then); the sum in float32, rounded once
     to the dtype."""
     if not ops.has_panel_linear(dtype):
-        pytest.skip("panel_linear needs AVX-512 with BW")
+        pytest.skip(f"panel_linear does not run {dtype} here (AVX-512 with BW, or AVX2 with FMA for float32)")
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
     weight = (torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5).to(dtype)
@@ -514,7 +514,7 @@ def test_pack_panels_lays_out_sixteen_features_a_panel():
 
 def test_panel_linear_reads_x_rows_through_their_stride_and_refuses_bad_calls():
     if not ops.has_panel_linear(torch.float32):
-        pytest.skip("panel_linear needs AVX-512 with BW")
+        pytest.skip("panel_linear needs AVX-512 with BW, or AVX2 with FMA for float32")
     wide = torch.randn(3, 100)
     x = wide[:, :64]  # rows 100 apart
     weight = torch.randn(32, 64)
@@ -538,7 +538,7 @@ def test_panel_linear_reads_x_rows_through_their_stride_and_refuses_bad_calls():
 
 def test_small_layers_refuses_what_would_read_out_of_bounds():
     if not ops.has_panel_linear(torch.float32):
-        pytest.skip("panel_linear needs AVX-512 with BW")
+        pytest.skip("panel_linear needs AVX-512 with BW, or AVX2 with FMA for float32")
     hidden, intermediate, num_heads, num_kv_heads, head_dim = 32, 48, 4, 2, 8
     qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
     norm = torch.ones(hidden)

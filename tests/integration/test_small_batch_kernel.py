@@ -94,10 +94,14 @@ def test_a_layer_in_one_call_gives_the_bits_of_its_calls_from_python(smollm2_dir
                          | greedy_with_a_late_prompt(engine, runner.tokenizer),
                          [t.clone() for t in logits])
     prompt_lens = [len(runner.tokenizer.encode(text)) for text in PROMPTS]
-    # Decode steps of 1, 2 and 3 rows; the three prompts in one step, one alone, two in one step,
-    # and the late prompt beside the two decodes.
-    assert {1, 2, 3, sum(prompt_lens), prompt_lens[0], prompt_lens[0] + prompt_lens[1],
-            prompt_lens[2] + 2} <= set(layered)
+    # Decode steps of 1, 2 and 3 rows; where prefill_attention is built (AVX-512), also the three
+    # prompts in one step, one alone, two in one step, and the late prompt beside the two decodes.
+    # Without it (AVX2) a step with a prompt chunk takes the calls from Python.
+    prompt_steps = {sum(prompt_lens), prompt_lens[0], prompt_lens[0] + prompt_lens[1], prompt_lens[2] + 2}
+    if ops.prefill_attention_built(decoder.spec.head_dim):
+        assert {1, 2, 3} | prompt_steps <= set(layered)
+    else:
+        assert set(layered) == {1, 2, 3}
     (fused_tokens, fused_logits), (call_tokens, call_logits) = results["fused"], results["calls"]
     assert fused_tokens == call_tokens
     assert len(fused_logits) == len(call_logits) > 0

@@ -18,7 +18,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -368,6 +368,71 @@ DecodePartFn<T> decode_part_for(int64_t group, int64_t head_dim) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2 (no AVX-512): 8 floats a vector.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// exp_clamped's e^x (the same reduction and polynomial), 8 lanes; 2^n built in the exponent bits.
+inline __m256 exp8_clamped(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // n is in [-126, 127]: 2^n is the float with exponent field n + 127.
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// Lane j of the result is the sum of the 8 lanes of v[j].
+inline __m256 reduce8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // a: the halves' sums of v0-v3 (low 128 bits the low halves), b those of v4-v7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// V weighted by the scores of one query head, for `NC` 8-float chunks of the head from chunk c0:
+// acc[c0..c0+NC) += sum over the range's positions of p[pos] * V[pos][kv head], the sums in registers.
+template <typename T, int NC, typename Slot>
+inline void weighted_v_avx2(const Slot& v_slot, int64_t begin, int64_t end, int64_t offset, const float* p,
+                            float* acc) {
+  __m256 sums[NC];
+  for (int j = 0; j < NC; ++j) sums[j] = _mm256_setzero_ps();
+  for (int64_t pos = begin; pos < end; ++pos) {
+    const T* v = v_slot(pos) + offset;
+    const __m256 weight = _mm256_set1_ps(p[pos - begin]);
+    for (int j = 0; j < NC; ++j) sums[j] = _mm256_fmadd_ps(weight, load8(v + 8 * j), sums[j]);
+  }
+  for (int j = 0; j < NC; ++j) _mm256_storeu_ps(acc + 8 * j, sums[j]);
+}
+#endif
+
 // One (row, position range) of decode attention: for each query head, the scores of the range's
 // positions, their maximum, the sum of their exponentials and the exponential-weighted sum of V.
 // Every K and V slot of the range is read once, whole (all kv heads: contiguous in the cache), and
@@ -445,6 +510,81 @@ struct DecodePart {
             }
           }
         }
+      }
+      return;
+    }
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    // AVX2: per query head, the scores of 8 positions at a time (8 dot products in registers, summed
+    // across lanes together), the exponentials 8 at a time, then V weighted by them, up to 8 chunks
+    // of the head's accumulator in registers while the range's V rows pass.
+    if (head_dim % 8 == 0) {
+      const int64_t chunks = head_dim / 8;
+      // Each position's K and V slot, found once (a position's block is a division away).
+      thread_local std::vector<const T*> slots;
+      slots.resize(2 * len);
+      const T** k_slots = slots.data();
+      const T** v_slots = k_slots + len;
+      for (int64_t pos = begin; pos < end;) {
+        const int64_t block = pos / block_size, first = pos - block * block_size;
+        const int64_t n = std::min(end - pos, block_size - first);
+        const int64_t at = (blocks[block] * block_size + first) * width;
+        for (int64_t i = 0; i < n; ++i) {
+          k_slots[pos - begin + i] = k_cache + at + i * width;
+          v_slots[pos - begin + i] = v_cache + at + i * width;
+        }
+        pos += n;
+      }
+      const auto k_slot = [&](int64_t pos) { return k_slots[pos - begin]; };
+      const auto v_slot = [&](int64_t pos) { return v_slots[pos - begin]; };
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float* qh = query + h * head_dim;
+        const int64_t offset = (h / group) * head_dim;
+        float* sh = scores + h * len;
+        __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+        int64_t pos = begin;
+        for (; pos + 8 <= end; pos += 8) {
+          const T* ks[8];
+          for (int j = 0; j < 8; ++j) ks[j] = k_slot(pos + j) + offset;
+          __m256 dots[8];
+          for (int j = 0; j < 8; ++j) dots[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(ks[j]));
+          for (int64_t c = 1; c < chunks; ++c) {
+            const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
+            for (int j = 0; j < 8; ++j) dots[j] = _mm256_fmadd_ps(qc, load8(ks[j] + 8 * c), dots[j]);
+          }
+          const __m256 s8 = reduce8(dots);
+          _mm256_storeu_ps(sh + pos - begin, s8);
+          best = _mm256_max_ps(best, s8);
+        }
+        float m = hmax8(best);
+        for (; pos < end; ++pos) {
+          const T* k = k_slot(pos) + offset;
+          __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(k));
+          for (int64_t c = 1; c < chunks; ++c) dot = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), load8(k + 8 * c), dot);
+          const float s = hsum8(dot);
+          sh[pos - begin] = s;
+          m = s > m ? s : m;
+        }
+        row_max[h] = m;
+        const __m256 max = _mm256_set1_ps(m);
+        __m256 total = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= len; i += 8) {
+          const __m256 e = exp8_clamped(_mm256_sub_ps(_mm256_loadu_ps(sh + i), max));
+          _mm256_storeu_ps(sh + i, e);
+          total = _mm256_add_ps(total, e);
+        }
+        float sum = hsum8(total);
+        for (; i < len; ++i) {
+          sh[i] = std::exp(sh[i] - m);
+          sum += sh[i];
+        }
+        denom[h] = sum;
+        float* a = acc + h * head_dim;
+        int64_t c = 0;
+        for (; c + 8 <= chunks; c += 8) weighted_v_avx2<T, 8>(v_slot, begin, end, offset + 8 * c, sh, a + 8 * c);
+        for (; c + 4 <= chunks; c += 4) weighted_v_avx2<T, 4>(v_slot, begin, end, offset + 8 * c, sh, a + 8 * c);
+        for (; c < chunks; ++c) weighted_v_avx2<T, 1>(v_slot, begin, end, offset + 8 * c, sh, a + 8 * c);
       }
       return;
     }
@@ -859,7 +999,8 @@ void sample_rows(const T* x, int64_t row_stride, int64_t rows, int64_t width, co
 // of 8 rows costs little more than one of 1. Where the CPU has AMX, bfloat16 goes through tiles
 // instead (below). oneDNN's packed matmuls read these weights at about 60% of a streaming read,
 // these at 80-90% (docs/benchmarks.md, 'Speed on the CPU against vLLM, fifth pass'). Returns false
-// where this build has no such kernel (no AVX-512 BW): the caller keeps oneDNN.
+// where this build has no such kernel (no AVX-512 BW; for float32, no AVX2 with FMA either): the caller
+// keeps oneDNN.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int kPanel = 16;
 constexpr int kPanelGroup = 3;
@@ -1108,6 +1249,121 @@ bool panel_linear(const T* x, int64_t x_row_stride, int64_t rows, const T* panel
     });
   }
   return true;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// float32 panels on CPUs with AVX2 and FMA but no AVX-512 (bfloat16 keeps oneDNN there: it has no
+// native bfloat16 to gain from). The same layout, a panel row two 8-float vectors. Sixteen vector
+// registers hold the sums of 6 rows of one panel (12 vectors, BLIS's 6 x 16 block for such CPUs:
+// a panel row loaded once serves six broadcast inputs), or of 1-2 rows of up to three panels, where
+// a decode step of one or two rows reads its weights from memory once and three streams keep more
+// loads in flight than one.
+constexpr int kPanel = 16;
+constexpr int kPanelGroup = 3;
+constexpr int64_t kPanelRowBlock = 256;
+constexpr int kPanelRows = 6;
+// Panel rows (64 bytes each) a thread prefetches ahead in each panel it walks.
+constexpr int64_t kPanelAhead = 32;
+
+// tile[m][16 p + j] = x[m] . feature j of panel p, for m < M, p < P; tile rows kPanelGroup * kPanel apart.
+template <int M, int P>
+void panel_block_avx2(const float* x, int64_t x_row_stride, const float* panel, int64_t panel_elements, int64_t in,
+                      float* tile) {
+  __m256 acc[M][2 * P];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < 2 * P; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < in; ++k) {
+    __m256 w[2 * P];
+    for (int p = 0; p < P; ++p) {
+      const float* row = panel + p * panel_elements + k * kPanel;
+      w[2 * p] = _mm256_loadu_ps(row);
+      w[2 * p + 1] = _mm256_loadu_ps(row + 8);
+      _mm_prefetch(reinterpret_cast<const char*>(row + kPanelAhead * kPanel), _MM_HINT_T0);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * x_row_stride + k);
+      for (int j = 0; j < 2 * P; ++j) acc[m][j] = _mm256_fmadd_ps(w[j], xb, acc[m][j]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < 2 * P; ++j) _mm256_storeu_ps(tile + m * kPanelGroup * kPanel + 8 * j, acc[m][j]);
+}
+
+template <int P>
+void panel_block_few_rows(int rows, const float* x, int64_t x_row_stride, const float* panel, int64_t panel_elements,
+                          int64_t in, float* tile) {
+  if (rows == 1) panel_block_avx2<1, P>(x, x_row_stride, panel, panel_elements, in, tile);
+  else panel_block_avx2<2, P>(x, x_row_stride, panel, panel_elements, in, tile);
+}
+
+void panel_block_one_panel(int rows, const float* x, int64_t x_row_stride, const float* panel, int64_t in,
+                           float* tile) {
+  switch (rows) {
+    case 1: return panel_block_avx2<1, 1>(x, x_row_stride, panel, 0, in, tile);
+    case 2: return panel_block_avx2<2, 1>(x, x_row_stride, panel, 0, in, tile);
+    case 3: return panel_block_avx2<3, 1>(x, x_row_stride, panel, 0, in, tile);
+    case 4: return panel_block_avx2<4, 1>(x, x_row_stride, panel, 0, in, tile);
+    case 5: return panel_block_avx2<5, 1>(x, x_row_stride, panel, 0, in, tile);
+    default: return panel_block_avx2<6, 1>(x, x_row_stride, panel, 0, in, tile);
+  }
+}
+
+// As the AVX-512 panel_store, for float32.
+void panel_store(const float* tile, int rows, int64_t m, int64_t o, int width, const float* bias,
+                 const float* residual, int64_t residual_row_stride, float* out, int64_t out_row_stride) {
+  for (int i = 0; i < rows; ++i) {
+    float* orow = out + (m + i) * out_row_stride + o;
+    const float* rrow = residual ? residual + (m + i) * residual_row_stride + o : nullptr;
+    for (int c = 0; c < width; c += 8) {
+      __m256 v = _mm256_loadu_ps(tile + i * kPanelGroup * kPanel + c);
+      if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + o + c));
+      if (rrow) v = _mm256_add_ps(v, _mm256_loadu_ps(rrow + c));
+      _mm256_storeu_ps(orow + c, v);
+    }
+  }
+}
+
+template <typename T>
+bool panel_linear(const T* x, int64_t x_row_stride, int64_t rows, const T* panels, int64_t in, int64_t out_features,
+                  const T* bias, const T* residual, int64_t residual_row_stride, T* out, int64_t out_row_stride) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return false;
+  } else {
+    if (rows < 1 || out_features % kPanel != 0) return false;
+    const int64_t num_panels = out_features / kPanel, panel_elements = in * kPanel;
+    const int64_t groups = (num_panels + kPanelGroup - 1) / kPanelGroup;
+    for (int64_t block = 0; block < rows; block += kPanelRowBlock) {
+      const int64_t block_end = std::min(rows, block + kPanelRowBlock);
+      for_each_index(groups, groups > 1, [&](int64_t g) {
+        const int64_t first = g * kPanelGroup;
+        const int n = static_cast<int>(std::min<int64_t>(kPanelGroup, num_panels - first));
+        const float* panel = panels + first * panel_elements;
+        alignas(32) float tile[kPanelRows * kPanelGroup * kPanel];
+        if (block_end - block <= 2) {
+          const int rows_here = static_cast<int>(block_end - block);
+          const float* xm = x + block * x_row_stride;
+          if (n == 3) panel_block_few_rows<3>(rows_here, xm, x_row_stride, panel, panel_elements, in, tile);
+          else if (n == 2) panel_block_few_rows<2>(rows_here, xm, x_row_stride, panel, panel_elements, in, tile);
+          else panel_block_few_rows<1>(rows_here, xm, x_row_stride, panel, panel_elements, in, tile);
+          panel_store(tile, rows_here, block, first * kPanel, n * kPanel, bias, residual, residual_row_stride, out,
+                      out_row_stride);
+          return;
+        }
+        // Rows in blocks of at most kPanelRows, as even as can be (8 rows: 4 + 4, not 6 + 2: each
+        // block reads the panels again, so a block of two costs nearly what one of six does).
+        const int64_t row_blocks = (block_end - block + kPanelRows - 1) / kPanelRows;
+        const int64_t per_block = (block_end - block + row_blocks - 1) / row_blocks;
+        for (int64_t m = block; m < block_end; m += per_block) {
+          const int rows_here = static_cast<int>(std::min<int64_t>(per_block, block_end - m));
+          const float* xm = x + m * x_row_stride;
+          for (int p = 0; p < n; ++p)
+            panel_block_one_panel(rows_here, xm, x_row_stride, panel + p * panel_elements, in, tile + p * kPanel);
+          panel_store(tile, rows_here, m, first * kPanel, n * kPanel, bias, residual, residual_row_stride, out,
+                      out_row_stride);
+        }
+      });
+    }
+    return true;
+  }
 }
 #else
 template <typename T>
