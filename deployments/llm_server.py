@@ -42,11 +42,15 @@ from model_worker.sched.scheduler import RequestRejected
 # A stream with no output for this long gets a keep-alive chunk, so the ingress can tell a request
 # that waits (queued, or a long prefill) from a replica that is frozen or gone.
 KEEPALIVE_INTERVAL_S = 1.0
-# Keep-alives stop once the engine loop has not begun a step for this long: a step that hangs
+# Keep-alives stop once the engine loop has given no sign of life for this long: a step that hangs
 # (a stuck kernel) must look like a dead replica to the ingress, which then migrates its streams.
-# Far above any step's time (a full token budget of prefill is well under a second on a GPU).
+# A step that runs long but moves is not one: its loop beats every engine_loop.HEARTBEAT_S while
+# the model finishes layers. A step is not bounded by this: SmolLM2's full token budget of prompts
+# (2,048) took 5-6 s in float32 on a 2-core AVX2 CPU, served, and with no heartbeat the keep-alives
+# stopped and 41 of 64 requests sent at once failed over and failed (docs/benchmarks.md,
+# eighteenth pass).
 ENGINE_STALL_S = 5.0
-# check_health fails once the engine loop has not begun a step for this long, and Serve
+# check_health fails once the engine loop has given no sign of life for this long, and Serve
 # replaces the replica. Longer than ENGINE_STALL_S: the streams have been migrated by then, and
 # a replica is only killed for a hang, never for one slow step.
 ENGINE_HUNG_S = 30.0

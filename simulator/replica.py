@@ -57,6 +57,8 @@ class SimulatedRunner:
         self.forward_time_s = 0.0
         self.execute_time_s = 0.0
         self.load_times_s: dict[str, float] = {}
+        # Steps take no wall time here: no heartbeat inside one (model_worker/engine/engine_loop.py).
+        self.progress = 0
 
     def step_time_s(self, batch: SchedulerOutput, after_idle: bool = False) -> float:
         duration_s = self.step_model.predict(batch) + (self.idle_wake_s if after_idle else 0.0)

@@ -247,8 +247,9 @@ class AsyncLLMEngine:
         return self._engine_loop.is_alive() and self._error is None and not self._stopped
 
     def seconds_since_alive(self) -> float:
-        """Seconds since the engine loop last began a step or an idle tick that it reported:
-        about a step's time (or IDLE_TICK_S) while it works; it grows while a step hangs."""
+        """Seconds since the engine loop last began a step, ticked idle, or beat inside a step
+        whose model made progress (engine_loop.HEARTBEAT_S): about a step's time, or a heartbeat's,
+        while it works; it grows while a step hangs."""
         return max(0.0, self._liveness_clock() - self._alive_s)
 
     # ---- public API (event loop side) --------------------------------------------------------
@@ -341,10 +342,11 @@ class AsyncLLMEngine:
     def _on_engine_message(self, message: EngineOutput) -> None:
         match message:
             case StepOutputs():
-                self._alive_s = message.began_s
+                # A step's outputs carry when it began, older than the heartbeats it sent while it ran.
+                self._alive_s = max(self._alive_s, message.began_s)
                 self._dispatch(message)
             case Alive():
-                self._alive_s = message.began_s
+                self._alive_s = max(self._alive_s, message.began_s)
             case CallResult():
                 waiting = self._calls.get(message.call_id)
                 if waiting is not None:

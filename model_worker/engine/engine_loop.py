@@ -2,7 +2,11 @@
 
 The loop applies what came in (requests to add, abort or stop, calls such as stats), runs a step
 when there is work, and emits that step's outputs as one StepOutputs message; idle, it sleeps until
-a message or IDLE_TICK_S and emits Alive. It never tokenizes, detokenizes or converts outputs for
+a message or IDLE_TICK_S and emits Alive. A step still running after HEARTBEAT_S says so each
+HEARTBEAT_S with an Alive of its own, as long as the model has made progress since the last one (a
+layer of its forward finished, `runner.progress`): a slow step, a full token budget of prompts on a
+slow CPU, never looks like a stuck one to the consumer, and a step stuck in one call falls silent.
+It never tokenizes, detokenizes or converts outputs for
 a wire: its consumer does (model_worker/engine/async_engine.py). The messages are the structs of
 model_worker/engine/protocol.py; a consumer runs the loop in a thread of its own process or in a
 process of its own (model_worker/engine/engine_handles.py).
@@ -26,6 +30,9 @@ from model_worker.engine.protocol import (NOT_RUNNING, AbortRequest, AddRequest,
 # An idle loop still wakes this often and says so, so that its consumer tells an idle engine from
 # a stuck one.
 IDLE_TICK_S = 0.5
+# A step that runs longer says it is alive this often while its model makes progress. The
+# consumer's stall threshold (deployments/llm_server.py, ENGINE_STALL_S) is several of these.
+HEARTBEAT_S = 1.0
 
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
@@ -51,18 +58,28 @@ class EngineLoop:
     step. `emit` is called on the loop's thread, once per message out."""
 
     def __init__(self, engine: LLMEngine, emit: Callable[[EngineOutput], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, heartbeat_s: float | None = None) -> None:
         # The consumer makes the text: a running request's output is then its token ids and counts
         # alone (a RequestProgress), never text.
         engine.detokenize = False
         self.engine = engine
-        self.emit = emit
+        self._emit = emit
+        # The heartbeat thread emits too: one message at a time through `emit`.
+        self._emit_lock = threading.Lock()
+        self.heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
+        # When the step now running began; None between steps.
+        self._step_began_s: float | None = None
+        self._done = threading.Event()
         self.clock = clock
         self._inbox: deque[Any] = deque()
         self._wakeup = threading.Event()
         self._stopped = False
         # Set from another thread (an unreadable message came): the loop dies with it.
         self._fatal: str | None = None
+
+    def emit(self, message: EngineOutput) -> None:
+        with self._emit_lock:
+            self._emit(message)
 
     def submit(self, message: Any) -> None:
         """Queue a message for the loop; safe from any thread."""
@@ -79,6 +96,7 @@ class EngineLoop:
         """Until Shutdown, or an error that leaves the engine unable to step: then it emits Dead
         and returns. Every message is answered or applied before it returns."""
         engine = self.engine
+        threading.Thread(target=self._beat, name="iterserve-engine-heartbeat", daemon=True).start()
         try:
             while not self._stopped:
                 began_s = self.clock()
@@ -93,13 +111,32 @@ class EngineLoop:
                     self._wakeup.wait(IDLE_TICK_S)
                     self._wakeup.clear()
                     continue
-                self.emit(step_outputs(began_s, engine.step()))
+                self._step_began_s = began_s
+                outputs = engine.step()
+                self._step_began_s = None
+                self.emit(step_outputs(began_s, outputs))
         except BaseException as exc:  # the loop must never die silently
             self._stopped = True
             self.emit(Dead(f"engine step failed: {type(exc).__name__}: {exc}"))
         finally:
             self._stopped = True
+            self._step_began_s = None
+            self._done.set()
             self._apply_inbox()  # calls made meanwhile are answered (an error), none left waiting
+
+    def _beat(self) -> None:
+        """Every heartbeat_s until the loop ends: Alive, when the step running now ran through the
+        last beat too and the model has made progress since (runner.progress changed)."""
+        seen: tuple[float, int] | None = None  # (the step's start, its progress) at the last beat
+        while not self._done.wait(self.heartbeat_s):
+            began_s = self._step_began_s
+            if began_s is None:
+                seen = None
+                continue
+            progress = self.engine.runner.progress
+            if seen is not None and seen[0] == began_s and seen[1] != progress and not self._stopped:
+                self.emit(Alive(self.clock()))
+            seen = (began_s, progress)
 
     def _apply_inbox(self) -> None:
         while self._inbox:

@@ -242,6 +242,8 @@ class LlamaDecoder:
         self.scale = spec.head_dim ** -0.5
         device, dtype = weights.embed_tokens.device, weights.embed_tokens.dtype
         self.dtype = dtype
+        # Layers computed, over every forward: the runner's progress (engine_loop's heartbeat).
+        self.layers_run = 0
         # Of the islands only the final norm pays for itself: it costs nothing measurable, and with
         # oneDNN's bfloat16 matmuls the others each bought at most one more of 20 chat prompts
         # equal to transformers float32, for 4 to 8 ms a step (docs/benchmarks.md).
@@ -313,10 +315,11 @@ class LlamaDecoder:
             hidden = cpu_ops.small_layers(hidden, self._small_layers, kv_caches, attn_metadata.tokens,
                                           attn_metadata.decode, self.cos_table32, self.sin_table32,
                                           self.spec.num_heads, self.spec.rms_norm_eps, self.scale,
-                                          attn_metadata.prefill)
+                                          attn_metadata.prefill, on_layer=self._layer_done)
         else:
             for layer, (k_cache, v_cache) in zip(weights.layers, kv_caches):
                 hidden = self._layer(layer, hidden, cos, sin, k_cache, v_cache, attn_metadata)
+                self.layers_run += 1
         hidden = hidden[logits_indices]  # the final norm is per row, so only sampled rows need it
         if self.fp32_logits:
             normed = F.rms_norm(hidden.float(), self._norm32.shape, self._norm32, self.spec.rms_norm_eps)
@@ -327,6 +330,9 @@ class LlamaDecoder:
         else:
             logits = self._head_linear(self._rms_norm(hidden, weights.norm))
         return logits.float() if upcast else logits
+
+    def _layer_done(self) -> None:
+        self.layers_run += 1
 
     def _head_linear(self, normed: torch.Tensor) -> torch.Tensor:
         small_head = self._small_head

@@ -91,6 +91,9 @@ class TorchModelRunner:
         # Cumulative seconds: the model forward (attention included), and all of execute().
         self.forward_time_s = 0.0
         self.execute_time_s = 0.0
+        # Forwards begun (`progress` adds the decoder's layers): what the engine loop's heartbeat
+        # reads to tell a long step that moves from a stuck one.
+        self.num_forwards = 0
         started_s = time.perf_counter()
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_kv_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
@@ -193,6 +196,11 @@ class TorchModelRunner:
         self.forward_time_s = self.execute_time_s = 0.0
         self._forward_events = None
 
+    @property
+    def progress(self) -> int:
+        """Grows while the runner works: a forward begun, a decoder layer done."""
+        return self.num_forwards + self.model.layers_run
+
     def execute(self, batch: SchedulerOutput) -> list[int]:
         """One forward over every scheduled token; one sampled token per sequence with sample=True."""
         if not batch.sequences:
@@ -218,6 +226,7 @@ class TorchModelRunner:
     def _forward(self, sequences: list[ScheduledSequence], all_tokens: bool, upcast: bool = True) -> torch.Tensor:
         """Logits of the step's sampled rows (every token's with all_tokens): float32, or with
         upcast False in the model's dtype where the forward makes them in it (the sampler upcasts)."""
+        self.num_forwards += 1
         token_ids, positions, layout, logits_indices = self._prepare_inputs(sequences)
         if all_tokens:
             logits_indices = np.arange(len(token_ids), dtype=np.int64)

@@ -22,6 +22,7 @@ from deployments.llm_server import LLMServer
 from deployments.replica_core import ReplicaCore
 from deployments.retry_policy import RetryPolicy
 from deployments.token_channel import TokenChannelServer
+from model_worker.engine import engine_loop
 from model_worker import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from tests.unit.fakes import ByteTokenizer, FakeKVRunner
 
@@ -235,6 +236,31 @@ def test_a_seeded_request_continues_with_the_same_tokens(cluster):
 
     clean, migrated = run(main())
     assert migrated == clean
+
+
+def test_steps_longer_than_the_stall_limits_fail_nothing_while_the_model_moves(monkeypatch):
+    """Steps of 1 s against an engine stall limit of 0.3 s and an ingress stall timeout of 0.5 s
+    (a full token budget of prompts on a slow CPU against 5 s and 10 s): the engine loop's
+    heartbeat keeps the replica's keep-alives going, so the request finishes on its first replica.
+    Without it, 41 of 64 requests sent at once failed over and failed (docs/benchmarks.md,
+    eighteenth pass)."""
+    monkeypatch.setattr(engine_loop, "HEARTBEAT_S", 0.05)
+    replicas = {}
+    for name in ("r0", "r1"):
+        runner = FakeKVRunner(256, 4, 1024, VOCAB, step_delay_s=1.0)
+        engine = LLMEngine(EngineConfig(block_size=4), model_runner=runner, tokenizer=ByteTokenizer())
+        replicas[name] = LLMServer(engine=AsyncLLMEngine(engine=engine), served_model_name="m", replica_id=name,
+                                   keepalive_interval_s=0.05, engine_stall_s=0.3, stream_chunks_per_s=1e6)
+    handle = FakeHandle(replicas)
+    backend = HandleBackend(handle, "app", "LLMServer", RetryPolicy(first_reply_timeout_s=0.5, stall_timeout_s=0.5,
+                                                                     backoff_s=0.0))
+    try:
+        chunks, tokens, _ = run(collect(backend, request(max_tokens=2)))
+    finally:
+        for replica in replicas.values():
+            replica.shutdown()
+    assert len(tokens) == 2 and chunks[-1].finished
+    assert [r for r, _ in handle.calls] == ["r0"] and backend.num_migrated == 0
 
 
 def test_a_replica_that_never_answers_is_avoided(cluster):

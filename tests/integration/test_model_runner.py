@@ -80,6 +80,19 @@ def test_tiny_model_chunked_logits_match_transformers(runner, tiny_model_dir, pr
     torch.testing.assert_close(torch.cat(chunks), hf_logits(tiny_model_dir, prompt), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_progress_counts_each_forward_and_each_layer_it_computes(runner, prompt, rows):
+    """What the engine loop's heartbeat reads (model_worker/engine/engine_loop.py): a prompt of
+    1, 3 or 40 rows, then a decode step (each layer one kernel call where the kernels are built,
+    else the calls from Python), each add one plus the number of layers."""
+    layers = len(runner.model.weights.layers)
+    before = runner.progress
+    runner.compute_logits(step(seq("p", prompt[:rows], 0, [9, 10, 11])))
+    assert runner.progress - before == 1 + layers
+    runner.compute_logits(step(seq("p", prompt[rows:rows + 1], rows, [9, 10, 11])))
+    assert runner.progress - before == 2 * (1 + layers)
+
+
 def _mixed_step_logits(runner: TorchModelRunner, prompt: list[int]) -> torch.Tensor:
     """Every token's logits of a mixed step (a prompt chunk beside two decodes), after a first step."""
     runner.compute_logits(step(seq("a", prompt[:5], 0, [1]), seq("b", prompt[:9], 0, [2]),

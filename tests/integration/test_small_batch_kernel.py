@@ -82,8 +82,8 @@ def test_a_layer_in_one_call_gives_the_bits_of_its_calls_from_python(smollm2_dir
     monkeypatch.setattr(decoder, "forward", lambda *a, **k: logits.append(real_forward(*a, **k)) or logits[-1])
     layered = []
     real_layers = ops.small_layers
-    monkeypatch.setattr(ops, "small_layers", lambda hidden, *a: layered.append(hidden.shape[0]) or
-                        real_layers(hidden, *a))
+    monkeypatch.setattr(ops, "small_layers", lambda hidden, *a, **k: layered.append(hidden.shape[0]) or
+                        real_layers(hidden, *a, **k))
     results = {}
     for name, layers in (("fused", fused), ("calls", None)):
         decoder._small_layers = layers

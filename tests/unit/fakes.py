@@ -30,14 +30,25 @@ class FakeKVRunner:
         self.slots: list[int | None] = [None] * (num_kv_blocks * block_size)
         self.batches: list[SchedulerOutput] = []
         self.forced: dict[tuple[str, int], int] = {}
+        # Work done, as the real runner counts its layers: a step's delay ticks it every
+        # progress_every_s (None: once, at its end; a step stuck in one call does not tick it).
+        self.progress = 0
+        self.progress_every_s: float | None = 0.01
 
     def _slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def execute(self, batch: SchedulerOutput) -> list[int]:
         self.batches.append(batch)
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)  # stands in for a forward pass, so streams can be cut mid-way
+        if self.step_delay_s:  # stands in for a forward pass, so streams can be cut mid-way
+            if self.progress_every_s is None:
+                time.sleep(self.step_delay_s)
+            else:
+                end_s = time.monotonic() + self.step_delay_s
+                while (left_s := end_s - time.monotonic()) > 0:
+                    time.sleep(min(left_s, self.progress_every_s))
+                    self.progress += 1
+        self.progress += 1
         for seq in batch.sequences:  # every write before any read, as the real runner does
             for offset, token in enumerate(seq.token_ids):
                 self.slots[self._slot(seq.block_table, seq.start_position + offset)] = token

@@ -12,7 +12,7 @@ import contextlib
 import ctypes
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -429,11 +429,13 @@ class SmallLayer:
 
 def small_layers(hidden: torch.Tensor, layers: list[SmallLayer], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  tokens: TokenSlots, rows: DecodeRows, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                 eps: float, scale: float, chunks: PrefillRows | None = None) -> torch.Tensor:
+                 eps: float, scale: float, chunks: PrefillRows | None = None,
+                 on_layer: Callable[[], None] | None = None) -> torch.Tensor:
     """Every layer over hidden (rows, hidden_size) for a step whose tokens are each either a
     decode row of `rows` or a token of a prompt chunk of `chunks` (kernels.cpp, small_layer: what
     LlamaDecoder._packed_layer computes through panels, call for call). Prompt chunks need
-    `prefill_attention_built(head_dim)`. Returns the last layer's output."""
+    `prefill_attention_built(head_dim)`. `on_layer` is called after each layer. Returns the last
+    layer's output."""
     num_rows, hidden_size = hidden.shape
     first = layers[0]
     k_cache = kv_caches[0][0]
@@ -476,6 +478,8 @@ def small_layers(hidden: torch.Tensor, layers: list[SmallLayer], kv_caches: list
                         rows.context_lens.data_ptr(), rows.token_rows.shape[0], *chunk_args, block_size,
                         float(scale), SPLIT_LEN, scratch.data_ptr())
         _check(bool(done), "small_layer is not built for this CPU")
+        if on_layer is not None:
+            on_layer()
         # The input is never written: the first layer's is the caller's tensor.
         source, target = target, (spare if source is hidden else source)
     return source

@@ -17,6 +17,7 @@ from contracts.priority import Priority
 from contracts.sampling import SamplingParams
 from model_worker import AsyncLLMEngine, RequestRejected
 from model_worker.engine.engine_handles import EngineThread
+from model_worker.engine.engine_loop import EngineLoop
 from model_worker.engine.engine_process_main import _read_into
 from model_worker.engine.protocol import (AbortRequest, AddRequest, Alive, Call, CallResult, Dead, EngineCodec,
                                           EngineInput, EngineOutput, FailRequest, GetStats, Rejected,
@@ -82,6 +83,34 @@ def loop(make_engine):
 
 def test_an_idle_loop_says_it_is_alive(loop):
     assert isinstance(loop.outbox.wait_for(lambda m: isinstance(m, Alive), "alive tick"), Alive)
+
+
+@pytest.mark.parametrize("moves", [True, False])
+def test_a_long_step_beats_while_its_model_moves_and_falls_silent_when_stuck(make_engine, moves):
+    """Steps of 0.6 s under a 0.05 s heartbeat: one whose runner makes progress says it is alive
+    while it runs (a full token budget of prompts on a slow CPU must not look like a hang to the
+    replica, deployments/llm_server.py), one stuck in a single call says nothing until it ends."""
+    engine = make_engine()
+    engine.runner.step_delay_s = 0.6
+    engine.runner.progress_every_s = 0.01 if moves else None
+    outbox = Outbox()
+    loop = EngineLoop(engine, outbox, time.monotonic, heartbeat_s=0.05)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        loop.submit(add("long", [5, 6, 7], max_tokens=2))
+        outbox.finished("long")
+    finally:
+        loop.submit(Shutdown())
+        thread.join(WAIT_S)
+    assert not thread.is_alive()
+    steps = [i for i, m in enumerate(outbox.messages) if isinstance(m, StepOutputs)]
+    beats = [m for m in outbox.messages[:steps[-1]] if isinstance(m, Alive)
+             and m.began_s > outbox.messages[steps[0]].began_s]
+    if moves:  # 1.2 s of steps: a beat in each after its first 0.1 s, every 0.05 s
+        assert len(beats) >= 10
+    else:
+        assert beats == []
 
 
 def test_add_streams_progress_then_one_finished_output(loop):
