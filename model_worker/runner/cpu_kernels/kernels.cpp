@@ -63,6 +63,15 @@ template <> inline bf16 from_float<bf16>(float x) {
   return static_cast<bf16>(bits >> 16);
 }
 
+// exp_clamped's (and exp8_clamped's) constants: the range it clamps x to, log2(e), ln 2 split in a
+// high part exact in few bits and the rest (Cody-Waite), and Cephes' expf polynomial for e^r,
+// highest degree first, the terms of degree 2 to 6 (r^0 and r^1 are added exactly after).
+constexpr float kExpLow = -87.f, kExpHigh = 88.f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr int kExpPolyTerms = 6;
+constexpr float kExpPoly[kExpPolyTerms] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                           4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 // Whether attention's scores for T are summed on bfloat16 pairs (dpbf16ps, on CPUs with
 // AVX512_BF16): the query and K as they are, two adjacent dimensions a 32-bit word, the exact
 // products of a word added in float32, the scale applied to the sums (decode_part_avx512,
@@ -115,17 +124,13 @@ inline __m512 round16(__m512 v) {
 // e^x to about 2 ulp for x in [-87, 88] (clamped to it): x = n ln2 + r with |r| <= ln2 / 2, e^r by
 // a degree-6 polynomial, times 2^n by scalef.
 inline __m512 exp_clamped(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpLow)), _mm512_set1_ps(kExpHigh));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < kExpPolyTerms; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
@@ -378,17 +383,13 @@ inline __m256 load8(const bf16* p) {
 
 // exp_clamped's e^x (the same reduction and polynomial), 8 lanes; 2^n built in the exponent bits.
 inline __m256 exp8_clamped(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLow)), _mm256_set1_ps(kExpHigh));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < kExpPolyTerms; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   // n is in [-126, 127]: 2^n is the float with exponent field n + 127.
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -1001,12 +1002,13 @@ void sample_rows(const T* x, int64_t row_stride, int64_t rows, int64_t width, co
 // these at 80-90% (docs/benchmarks.md, 'Speed on the CPU against vLLM, fifth pass'). Returns false
 // where this build has no such kernel (no AVX-512 BW; for float32, no AVX2 with FMA either): the caller
 // keeps oneDNN.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Output features a panel; panels a thread walks together (a group).
 constexpr int kPanel = 16;
 constexpr int kPanelGroup = 3;
 // Rows a matmul takes through every panel group at a time: a block of x stays in L2 (a prompt
 // step's x is megabytes) while the groups pass over it.
 constexpr int64_t kPanelRowBlock = 256;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int kPanelRows = 8;
 // Panel rows (64 bytes each) a thread prefetches ahead in each of the three panels it walks: the
 // hardware prefetcher alone left the float32 kernel a fifth slower at 8 rows (48 from an A/B of
@@ -1257,9 +1259,6 @@ bool panel_linear(const T* x, int64_t x_row_stride, int64_t rows, const T* panel
 // a panel row loaded once serves six broadcast inputs), or of 1-2 rows of up to three panels, where
 // a decode step of one or two rows reads its weights from memory once and three streams keep more
 // loads in flight than one.
-constexpr int kPanel = 16;
-constexpr int kPanelGroup = 3;
-constexpr int64_t kPanelRowBlock = 256;
 constexpr int kPanelRows = 6;
 // Panel rows (64 bytes each) a thread prefetches ahead in each panel it walks.
 constexpr int64_t kPanelAhead = 32;
