@@ -55,7 +55,8 @@ def step_outputs(began_s: float, outputs: list[GenerationChunk]) -> StepOutputs:
 
 class EngineLoop:
     """Drain the inbox, step, emit; until Shutdown or an error that leaves the engine unable to
-    step. `emit` is called on the loop's thread, once per message out."""
+    step. `emit` is called once per message out, one call at a time: on the loop's thread, and on
+    its heartbeat thread for the Alive of a long step."""
 
     def __init__(self, engine: LLMEngine, emit: Callable[[EngineOutput], None],
                  clock: Callable[[], float] = time.monotonic, heartbeat_s: float | None = None) -> None:
