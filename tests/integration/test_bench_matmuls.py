@@ -8,6 +8,8 @@ import torch
 from loadtest.benchmarks import bench_matmuls
 from model_worker.runner.cpu_kernels import ops
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.parametrize("argv, message", [(["--rows", "0,4"], "must be positive"),
                                            (["--dtypes", "float16"], "is not one of"),
