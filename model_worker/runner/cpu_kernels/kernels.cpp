@@ -418,8 +418,8 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// V weighted by the scores of one query head, for `NC` 8-float chunks of the head from chunk c0:
-// acc[c0..c0+NC) += sum over the range's positions of p[pos] * V[pos][kv head], the sums in registers.
+// V weighted by the scores of one query head, for the `NC` 8-float chunks at `offset` in each V slot:
+// acc[0, 8 NC) = the sum over the range's positions of p[pos] * those chunks, the sums in registers.
 template <typename T, int NC, typename Slot>
 inline void weighted_v_avx2(const Slot& v_slot, int64_t begin, int64_t end, int64_t offset, const float* p,
                             float* acc) {
