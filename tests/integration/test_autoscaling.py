@@ -19,7 +19,7 @@ from loadtest.local_serve import start_local_serve, stop_local_serve
 pytestmark = pytest.mark.integration
 
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_queue_per_replica": 2, "ttft_slo_s": 1.0,
-               "scale_up_delay_s": 1.0, "scale_down_delay_s": 4.0}
+               "scale_up_delay_s": 1.0, "scale_down_delay_s": 8.0}
 MODEL = "autoscaled"
 # 4 seats: the 2 long requests of the light phase fit one replica at 50%, under the 75% that the
 # policy keeps after a step down, so it may remove a replica while both run a request.
@@ -156,8 +156,14 @@ def test_scales_up_under_load_and_back_down_without_failing_a_request(app):
             tasks = [asyncio.create_task(worker(client, i, 20, heavy)) for i in range(12)]
             await until(lambda: watch.running() >= 2, 90, "a second replica under load")
             heavy.set()
-            # Light: 2 clients with long requests (5 s), one on each replica (the router spreads by
-            # load), keep both replicas busy through the scale-down.
+            # The heavy requests still running finish first (~2 s), and a routing report newer than
+            # their finishes arrives (1 s period), all inside the 8 s scale-down delay. Sent among
+            # them, both light requests could go to the replica that had fewer left at that moment,
+            # and the other one, idle, be the replica removed (CI, stop 51).
+            await asyncio.gather(*tasks)
+            await asyncio.sleep(1.5)
+            # Light: 2 clients with long requests (5 s), one on each replica (the router counts what
+            # it sent: 0 and 0, then 1 and 0), keep both replicas busy through the scale-down.
             light = asyncio.Event()
             tasks += [asyncio.create_task(worker(client, 100 + i, 100, light)) for i in range(2)]
             tasks.append(asyncio.create_task(poll_busy(client, light)))
