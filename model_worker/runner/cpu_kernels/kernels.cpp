@@ -639,9 +639,18 @@ void decode_attention(const T* q, int64_t q_token_stride, const T* k_cache, cons
                       const int64_t* context_lens, T* out, int64_t out_token_stride, int64_t num_rows,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                       int64_t split_len) {
-  // Part p of row i covers [p * split_len, min((p + 1) * split_len, context_len)).
-  std::vector<int64_t> first_part(num_rows + 1, 0);
-  for (int64_t i = 0; i < num_rows; ++i) first_part[i + 1] = first_part[i] + (context_lens[i] + split_len - 1) / split_len;
+  // Row i is cut into as few parts as split_len allows, of about equal length: part p covers
+  // [p * part_len[i], min((p + 1) * part_len[i], context_len)), part_len[i] a multiple of 16 (a
+  // part starts at a tile of decode_part_avx512, and with 16-slot blocks at a block). Parts of
+  // split_len and a short rest left one thread most of a lone row's work: a batch-1 decode step
+  // at 280-320 positions was 10.42 ms so, 10.14 ms with equal parts (docs/benchmarks.md,
+  // nineteenth pass). A row's parts depend on its context length alone, never on the batch.
+  std::vector<int64_t> first_part(num_rows + 1, 0), part_len(num_rows);
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const int64_t parts = (context_lens[i] + split_len - 1) / split_len;
+    part_len[i] = parts > 0 ? std::min(split_len, ((context_lens[i] + parts - 1) / parts + 15) / 16 * 16) : split_len;
+    first_part[i + 1] = first_part[i] + (context_lens[i] + part_len[i] - 1) / part_len[i];
+  }
   const int64_t num_parts = first_part[num_rows];
   // Many parts a thread: the step reads far more K/V than the caches hold, and a pass of plain loads
   // before each part's compute fetches it about twice as fast (decode_part_avx512). A few parts: the
@@ -662,8 +671,8 @@ void decode_attention(const T* q, int64_t q_token_stride, const T* k_cache, cons
   };
   auto run_part = [&](int64_t part, Scratch& scratch) {
     const int64_t i = std::upper_bound(first_part.begin(), first_part.end(), part) - first_part.begin() - 1;
-    const int64_t begin = (part - first_part[i]) * split_len;
-    const int64_t end = std::min(begin + split_len, context_lens[i]);
+    const int64_t begin = (part - first_part[i]) * part_len[i];
+    const int64_t end = std::min(begin + part_len[i], context_lens[i]);
     const bool whole = first_part[i + 1] - first_part[i] == 1;
     const T* q_row = q + token_rows[i] * q_token_stride;
     for (int64_t e = 0; e < num_heads * head_dim; ++e) scratch.query[e] = to_float(q_row[e]) * scale;
