@@ -26,7 +26,8 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _F = ctypes.c_float
-# Positions of one part of a decode row's context (kernels.cpp, decode_attention).
+# Most positions in one part of a decode row's context; a row is cut into as few parts as that allows,
+# of about equal length (kernels.cpp, decode_attention).
 SPLIT_LEN = 256
 # What an absent index array points at (the kernels read none of it).
 _EMPTY_INDEX = torch.zeros(1, dtype=torch.int64)
