@@ -5,7 +5,8 @@
     python -m loadtest.benchmarks.bench_attention --dtype float32 --prompt-tokens 256 --decode 64x290
 
 SmolLM2-135M-Instruct's heads by default (9 query heads, 3 kv heads, head_dim 64), block size 16,
-every sequence's blocks in a random order as a busy engine leaves them:
+every sequence's blocks in a random order as a busy engine leaves them (`--block-order in-order`:
+each sequence's blocks one after another, as a fresh engine lays them out):
 - prompt attention (`ops.prefill_attention`): one prompt of N tokens over its own context, ms a
   layer and its rate (4 head_dim FLOPs per query head per causal pair);
 - decode attention (`ops.decode_attention`): ROWS rows of CTX positions each, ms a step over
@@ -37,6 +38,7 @@ from model_worker.runner.cpu_kernels import ops
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = "model_worker/runner/cpu_kernels/kernels.cpp"
 BLOCK_SIZE = 16
+BLOCK_ORDERS = ("random", "in-order")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=30, help="layers' caches a decode step reads")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--block-order", default="random", choices=BLOCK_ORDERS,
+                   help="random: as a busy engine leaves a cache; in-order: as a fresh one lays it out")
     args = p.parse_args(argv)
     try:
         args.heads = tuple(int(n) for n in args.heads.split(","))
@@ -82,6 +86,12 @@ def random_caches(num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torc
     return tuple(torch.randn(shape, generator=generator).to(dtype) for _ in range(2))  # type: ignore[return-value]
 
 
+def block_ids(num_blocks: int, count: int, in_order: bool, generator: torch.Generator) -> np.ndarray:
+    """`count` distinct block ids of the `num_blocks` in a cache: random, or 0, 1, 2, ... in order."""
+    ids = torch.arange(num_blocks) if in_order else torch.randperm(num_blocks, generator=generator)
+    return ids[:count].numpy()
+
+
 def gathered(cache: torch.Tensor, table: np.ndarray, length: int, group: int) -> torch.Tensor:
     """(heads, length, head_dim): a sequence's first `length` positions, each kv head repeated per query head."""
     positions = torch.arange(length)
@@ -92,11 +102,12 @@ def gathered(cache: torch.Tensor, table: np.ndarray, length: int, group: int) ->
 class PromptCase:
     """One prompt of `tokens` tokens, its blocks in a random order."""
 
-    def __init__(self, tokens: int, heads: tuple[int, int, int], dtype: torch.dtype, seed: int) -> None:
+    def __init__(self, tokens: int, heads: tuple[int, int, int], dtype: torch.dtype, seed: int,
+                 in_order: bool = False) -> None:
         num_heads, num_kv_heads, head_dim = heads
         generator = torch.Generator().manual_seed(seed)
         num_blocks = -(-tokens // BLOCK_SIZE)
-        self.table = torch.randperm(num_blocks + 4, generator=generator)[:num_blocks].numpy()
+        self.table = block_ids(num_blocks + 4, num_blocks, in_order, generator)
         self.k, self.v = random_caches(num_blocks + 4, num_kv_heads, head_dim, dtype, generator)
         self.q = torch.randn(tokens, num_heads, head_dim, generator=generator).to(dtype)
         self.rows = ops.PrefillRows.of(np.array([0]), np.array([tokens]), np.array([0]), self.table[None, :],
@@ -120,13 +131,13 @@ class DecodeCase:
     """`rows` decode rows of `context` positions each, over `layers` layers' caches."""
 
     def __init__(self, rows: int, context: int, layers: int, heads: tuple[int, int, int], dtype: torch.dtype,
-                 seed: int) -> None:
+                 seed: int, in_order: bool = False) -> None:
         num_heads, num_kv_heads, head_dim = heads
         generator = torch.Generator().manual_seed(seed)
         blocks_per_row = -(-context // BLOCK_SIZE)
         num_blocks = rows * blocks_per_row + 4
         self.caches = [random_caches(num_blocks, num_kv_heads, head_dim, dtype, generator) for _ in range(layers)]
-        self.tables = torch.randperm(num_blocks, generator=generator)[:rows * blocks_per_row].numpy().reshape(
+        self.tables = block_ids(num_blocks, rows * blocks_per_row, in_order, generator).reshape(
             rows, blocks_per_row)
         self.q = torch.randn(rows, num_heads, head_dim, generator=generator).to(dtype)
         self.rows = ops.DecodeRows.of(np.arange(rows), self.tables, np.full(rows, context), BLOCK_SIZE)
@@ -170,8 +181,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.before is not None:
         before = source_at(args.before)
         builds = {"before": lambda: ops.kernels_from(before), "this": contextlib.nullcontext}
-    cases: dict[str, Any] = {f"prompt_{n}": PromptCase(n, args.heads, dtype, seed=n) for n in args.prompt_tokens}
-    cases.update({f"decode_{r}x{c}": DecodeCase(r, c, args.layers, args.heads, dtype, seed=r * 7919 + c)
+    in_order = args.block_order == "in-order"
+    cases: dict[str, Any] = {f"prompt_{n}": PromptCase(n, args.heads, dtype, seed=n, in_order=in_order)
+                             for n in args.prompt_tokens}
+    cases.update({f"decode_{r}x{c}": DecodeCase(r, c, args.layers, args.heads, dtype, seed=r * 7919 + c,
+                                                in_order=in_order)
                   for r, c in args.decode})
     runs: dict[str, dict[str, list[float]]] = {name: {build: [] for build in builds} for name in cases}
     errors: dict[str, dict[str, float]] = {name: {} for name in cases}
@@ -198,6 +212,7 @@ def summarize(args: argparse.Namespace, cases: dict[str, Any], runs: dict[str, d
     medians = {name: {build: statistics.median(values) for build, values in by_build.items()}
                for name, by_build in runs.items()}
     report: dict[str, Any] = {"dtype": args.dtype, "heads": list(args.heads), "block_size": BLOCK_SIZE,
+                              "block_order": args.block_order,
                               "layers": args.layers, "threads": args.threads, "before": args.before,
                               "ms_median": medians, "ms_runs": runs, "max_error_vs_float64": errors}
     report["prompt_gflops"] = {name: {build: case.flops / ms / 1e6 for build, ms in medians[name].items()}
@@ -209,7 +224,7 @@ def summarize(args: argparse.Namespace, cases: dict[str, Any], runs: dict[str, d
 
 def print_table(report: dict[str, Any], builds: list[str]) -> None:
     unit = {True: "ms a layer", False: f"ms a step ({report['layers']} layers)"}
-    print(f"{report['dtype']}, heads {report['heads']}, {report['threads']} threads")
+    print(f"{report['dtype']}, heads {report['heads']}, {report['threads']} threads, blocks {report['block_order']}")
     for name, by_build in report["ms_median"].items():
         figures = ", ".join(f"{build} {by_build[build]:.3f}" for build in builds)
         ratio = f"; before / this {report['before_over_this'][name]:.2f}x" if "before_over_this" in report else ""
