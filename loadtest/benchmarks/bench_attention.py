@@ -100,7 +100,7 @@ def gathered(cache: torch.Tensor, table: np.ndarray, length: int, group: int) ->
 
 
 class PromptCase:
-    """One prompt of `tokens` tokens, its blocks in a random order."""
+    """One prompt of `tokens` tokens, its blocks in a random order (or in order, with in_order)."""
 
     def __init__(self, tokens: int, heads: tuple[int, int, int], dtype: torch.dtype, seed: int,
                  in_order: bool = False) -> None:
@@ -128,7 +128,8 @@ class PromptCase:
 
 
 class DecodeCase:
-    """`rows` decode rows of `context` positions each, over `layers` layers' caches."""
+    """`rows` decode rows of `context` positions each, over `layers` layers' caches, each row's blocks in
+    a random order (or in order, with in_order)."""
 
     def __init__(self, rows: int, context: int, layers: int, heads: tuple[int, int, int], dtype: torch.dtype,
                  seed: int, in_order: bool = False) -> None:

@@ -643,7 +643,7 @@ void decode_attention(const T* q, int64_t q_token_stride, const T* k_cache, cons
   // [p * part_len[i], min((p + 1) * part_len[i], context_len)), part_len[i] a multiple of 16 (a
   // part starts at a tile of decode_part_avx512, and with 16-slot blocks at a block). Parts of
   // split_len and a short rest left one thread most of a lone row's work: a batch-1 decode step
-  // at 280-320 positions was 10.42 ms so, 10.14 ms with equal parts (docs/benchmarks.md,
+  // at 280-320 positions took 10.42 ms with them and 10.14 ms with equal parts (docs/benchmarks.md,
   // nineteenth pass). A row's parts depend on its context length alone, never on the batch.
   std::vector<int64_t> first_part(num_rows + 1, 0), part_len(num_rows);
   for (int64_t i = 0; i < num_rows; ++i) {
