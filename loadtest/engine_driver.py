@@ -59,6 +59,22 @@ def run_engine(engine: Any, workload: list[BenchRequest], make_params: Callable[
     return list(records.values())
 
 
+def decode_steps_alone(engine: Any, request_id: str, prompt: list[int], params: Any,
+                       clock: Clock = time.perf_counter) -> list[float]:
+    """Run one request alone to the end: the seconds of each of its decode steps (the steps after
+    its first token; its prompt steps are not counted)."""
+    engine.add_request(request_id, prompt, params)
+    steps: list[float] = []
+    decoding = False
+    while engine.has_unfinished():
+        started = clock()
+        outputs = engine.step()
+        if decoding:
+            steps.append(clock() - started)
+        decoding = decoding or any(out.token_ids for out in outputs)
+    return steps
+
+
 @dataclass(slots=True, frozen=True)
 class Efficiency:
     # Seconds in model forward over the window, as the runner counts them (stats().forward_time_s).

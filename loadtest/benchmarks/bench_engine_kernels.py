@@ -5,7 +5,8 @@
 
 bench_attention times a kernel alone. A change that wins there can win much less in the engine,
 where the kernel shares each step with the matmuls (docs/benchmarks.md, twentieth pass: a decode
-attention 13% faster alone made the engine's decode step 2% faster). This measures the engine.
+attention 13% faster alone moved the engine's decode step by -2.6% to +2.5% over three runs).
+This measures the engine.
 
 One engine (SmolLM2-135M-Instruct unless --model), and in each round each build in turn, the
 order alternating round by round so that the machine's drift falls on both alike:
@@ -38,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from loadtest.benchmarks.bench_attention import source_at
+from loadtest.engine_driver import decode_steps_alone
 
 # The mixed requests that cycle the KV pool: prompt and output lengths drawn uniformly.
 CYCLE_PROMPT_TOKENS = (16, 700)
@@ -135,16 +137,7 @@ def run_burst(engine: Any, burst: list[list[int]], output_tokens: int) -> dict[s
 
 def batch1_step_ms(engine: Any, prompt: list[int], output_tokens: int) -> float:
     """One request alone: the median of its decode steps (its prompt steps not counted)."""
-    engine.add_request("alone", prompt, greedy(output_tokens))
-    steps: list[float] = []
-    decoding = False
-    while engine.has_unfinished():
-        started = time.perf_counter()
-        outputs = engine.step()
-        if decoding:
-            steps.append(time.perf_counter() - started)
-        decoding = decoding or any(out.token_ids for out in outputs)
-    return statistics.median(steps) * 1000
+    return statistics.median(decode_steps_alone(engine, "alone", prompt, greedy(output_tokens))) * 1000
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

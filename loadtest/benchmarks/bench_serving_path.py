@@ -55,7 +55,7 @@ from deployments.local_ray import DEFAULT_SERVING_PATH, SERVING_PATHS
 from loadtest import workloads as wl
 from loadtest.bench_cli import summary_line, token_pool, write_figures
 from loadtest.client import ClientConfig, run_load
-from loadtest.engine_driver import run_engine
+from loadtest.engine_driver import decode_steps_alone, run_engine
 from loadtest.local_serve import start_local_serve, stop_local_serve
 from loadtest.results import SLO, RequestResult, summarize
 from loadtest.traces import BenchRequest
@@ -179,15 +179,7 @@ def offline(args: argparse.Namespace, burst: list[BenchRequest], light: list[Ben
     engine = LLMEngine(EngineConfig(model=args.model, **_engine_args(args)))
     run_engine(engine, [BenchRequest("warm", burst[0].prompt_token_ids[::-1], 8, 0.0)], _params)
     # The batch-1 step: one request alone, each decode step timed (its prefill steps are not).
-    engine.add_request("step", list(light[0].prompt_token_ids[::-1]), _params(args.output_tokens))
-    steps_s: list[float] = []
-    decoding = False
-    while engine.has_unfinished():
-        started_s = time.perf_counter()
-        outputs = engine.step()
-        if decoding:
-            steps_s.append(time.perf_counter() - started_s)
-        decoding = decoding or any(out.token_ids for out in outputs)
+    steps_s = decode_steps_alone(engine, "step", list(light[0].prompt_token_ids[::-1]), _params(args.output_tokens))
     light_results = run_engine(engine, light, _params)
     engine.reset_prefix_cache()
     burst_results = run_engine(engine, burst, _params)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from loadtest.engine_driver import measure_efficiency, run_engine
+from loadtest.engine_driver import decode_steps_alone, measure_efficiency, run_engine
 from loadtest.results import summarize_offline
 from loadtest.traces import BenchRequest
 
@@ -127,3 +127,27 @@ def test_efficiency_counts_only_steps_with_all_requests_running():
     assert result.num_steps == 4
     assert result.num_tokens == 24
     assert result.efficiency == pytest.approx(0.8)
+
+
+class PromptStepEngine(FakeEngine):
+    """A FakeEngine whose first step is a prompt step: 0.5 s and no token."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock, step_s=0.1)
+        self.prompt_done = False
+
+    def step(self) -> list[FakeOutput]:
+        if not self.prompt_done:
+            self.prompt_done = True
+            self.clock.now_s += 0.5
+            return []
+        return super().step()
+
+
+def test_a_lone_request_counts_only_the_steps_after_its_first_token():
+    clock = FakeClock()
+    engine = PromptStepEngine(clock)
+    steps = decode_steps_alone(engine, "alone", [1, 2, 3], 4, clock=clock)
+    # Prompt step (no token), first token, then three decode steps of 0.1 s each.
+    assert steps == pytest.approx([0.1, 0.1, 0.1]) and not engine.has_unfinished()
+    assert engine.added_at == {"alone": 0.0}
