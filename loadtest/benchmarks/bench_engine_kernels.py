@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from loadtest.benchmarks.bench_attention import source_at
+from loadtest.benchmarks.bench_engine import greedy_params
 from loadtest.engine_driver import decode_steps_alone
 
 # The mixed requests that cycle the KV pool: prompt and output lengths drawn uniformly.
@@ -77,12 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def greedy(num_tokens: int) -> Any:
-    from model_worker import SamplingParams
-
-    return SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-
-
 def kv_pool(engine: Any) -> Any:
     """The engine's KV block pool (its scheduler's)."""
     return engine.scheduler.kv.pool
@@ -102,7 +97,7 @@ def cycle_pool(engine: Any, pool: np.ndarray, rng: np.random.Generator) -> None:
         for i in range(CYCLE_REQUESTS):
             prompt = rng.choice(pool, size=int(rng.integers(*CYCLE_PROMPT_TOKENS, endpoint=True)))
             engine.add_request(f"cycle-{rounds}-{i}", [int(t) for t in prompt],
-                               greedy(int(rng.integers(*CYCLE_OUTPUT_TOKENS, endpoint=True))))
+                               greedy_params(int(rng.integers(*CYCLE_OUTPUT_TOKENS, endpoint=True))))
         drain(engine)
         rounds += 1
         if rounds > 50:
@@ -115,7 +110,7 @@ def run_burst(engine: Any, burst: list[list[int]], output_tokens: int) -> dict[s
     each request's tokens."""
     tokens: dict[str, list[int]] = {f"burst-{i}": [] for i in range(len(burst))}
     for request_id, prompt in zip(tokens, burst):
-        engine.add_request(request_id, prompt, greedy(output_tokens))
+        engine.add_request(request_id, prompt, greedy_params(output_tokens))
     decode_steps: list[float] = []
     started = time.perf_counter()
     while engine.has_unfinished():
@@ -137,7 +132,7 @@ def run_burst(engine: Any, burst: list[list[int]], output_tokens: int) -> dict[s
 
 def batch1_step_ms(engine: Any, prompt: list[int], output_tokens: int) -> float:
     """One request alone: the median of its decode steps (its prompt steps not counted)."""
-    return statistics.median(decode_steps_alone(engine, "alone", prompt, greedy(output_tokens))) * 1000
+    return statistics.median(decode_steps_alone(engine, "alone", prompt, greedy_params(output_tokens))) * 1000
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -166,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine_args["num_threads"] = args.threads
     engine_args.update(args.engine_args)
     engine = LLMEngine(EngineConfig(model=args.model, **engine_args))
-    engine.add_request("warm", alone[::-1], greedy(8))
+    engine.add_request("warm", alone[::-1], greedy_params(8))
     drain(engine)
 
     runs: dict[str, dict[str, list[float]]] = {name: {"wall_s": [], "tokens_per_s": [], "decode_step_ms": [],
