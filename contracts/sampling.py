@@ -23,6 +23,12 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 # The most stop token ids per request (checked against every sampled token).
 MAX_STOP_TOKEN_IDS = 256
+# The most alternatives per token a request may ask for with `logprobs` (vLLM's default
+# max_logprobs, and OpenAI's limit for chat's top_logprobs).
+MAX_LOGPROBS = 20
+# The most logit_bias entries per request (OpenAI documents none; the bias is applied as one
+# scatter over the step's rows, and a body of a million entries must not reach it).
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(slots=True)
@@ -47,6 +53,23 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     # Keep going past EOS (benchmarks use this to fix output lengths).
     ignore_eos: bool = False
+    # Penalties on tokens already seen, as OpenAI and vLLM define them: presence subtracts its value
+    # from the logit of every token the output holds, frequency its value times the count;
+    # repetition (1: off) divides a positive logit (multiplies a negative one) of every token the
+    # prompt or the output holds. presence and frequency in [-2, 2], repetition in (0, 2].
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Added to the logits of these token ids before sampling (values in [-100, 100]); at most
+    # MAX_LOGIT_BIAS entries. Ids are checked against the vocabulary by the engine.
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # EOS and the stop token ids cannot be sampled before this many output tokens.
+    min_tokens: int = 0
+    # Return the log probability of each sampled token and of the `logprobs` most likely tokens
+    # (0: the sampled token's alone; None: none), from the distribution the token was drawn from:
+    # the logits after min_tokens, logit_bias and the penalties, divided by the temperature (when
+    # not greedy), before top-k and top-p. At most MAX_LOGPROBS.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +97,21 @@ class SamplingParams:
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
                f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a bool, got {_short(self.ignore_eos)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2.0 <= value <= 2.0, name, f"must be a number in [-2, 2], got {_short(value)}")
+        _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
+               f"must be a number in (0, 2], got {_short(self.repetition_penalty)}")
+        _check(isinstance(self.logit_bias, dict) and all(
+            is_int(k) and k >= 0 and _is_number(v) and -100.0 <= v <= 100.0 for k, v in self.logit_bias.items()),
+            "logit_bias", "must map token ids (integers >= 0) to numbers in [-100, 100], "
+                          f"got {_short(self.logit_bias)}")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+               f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be an integer in [0, max_tokens ({_short(self.max_tokens)})], got {_short(self.min_tokens)}")
+        _check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+               f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {_short(self.logprobs)}")
         if self.top_k == -1:
             self.top_k = 0
         # Numerically safe values: a request must never reach a step with a value the sampler's
@@ -85,6 +123,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalises_history(self) -> bool:
+        """Whether sampling reads the tokens already seen (a presence, frequency or repetition penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits change before sampling: a penalty, a bias, or a min_tokens."""
+        return bool(self.penalises_history or self.logit_bias or self.min_tokens)
 
 
 class SamplingParamsError(ValueError):

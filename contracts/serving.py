@@ -84,6 +84,12 @@ class RequestTimings:
         return None if self.finished_s is None else self.finished_s - self.arrival_s
 
 
+# One output token's log probabilities (SamplingParams.logprobs): its own, then the ids and log
+# probabilities of the most likely tokens, most likely first. Plain values, so that it crosses
+# every wire as it is (a tuple arrives as a list).
+TokenLogprobs = tuple[float, list[int], list[float]]
+
+
 @dataclass(slots=True)
 class GenerationChunk:
     """One step's progress of a request: what the engine's step returns for each request that made
@@ -118,6 +124,8 @@ class GenerationChunk:
     # On the admission chunk: the chunks after it come over the request's token channel, not this
     # stream (which then ends once the last of them was sent).
     via_channel: bool = False
+    # With SamplingParams.logprobs set: one TokenLogprobs per entry of token_ids; else None.
+    logprobs: list[TokenLogprobs] | None = None
 
     def extend(self, later: "GenerationChunk") -> None:
         """Fold a later chunk of the same request into this one: texts and tokens add up, the rest
@@ -125,6 +133,8 @@ class GenerationChunk:
         if later.keepalive:
             return
         self.text += later.text
+        if later.logprobs is not None:
+            self.logprobs = [*(self.logprobs or ()), *later.logprobs]
         self.token_ids.extend(later.token_ids)
         self.finished = later.finished
         self.finish_reason = later.finish_reason

@@ -194,6 +194,7 @@ class LLMEngine:
             outputs[request.request_id] = self._progress_output_or_error(request)
         for request in self.take_finished():
             self._finish_output(request, outputs)
+        self.runner.sampled_logprobs.clear()  # any left belong to tokens the step dropped
         return list(outputs.values())
 
     # ---- the phases of a step ------------------------------------------------------------------
@@ -324,13 +325,18 @@ class LLMEngine:
         try:
             return self._progress_output(request)
         except Exception as exc:
-            return self._fail(request, f"detokenizing this request failed: {type(exc).__name__}: {exc}")
+            return self._fail(request, f"making this request's output failed: {type(exc).__name__}: {exc}")
 
     def _progress_output(self, request: Request) -> GenerationChunk:
         out = GenerationChunk(request_id=request.request_id, token_ids=[request.output_token_ids[-1]],
                               num_prompt_tokens=request.num_prompt_tokens,
                               num_output_tokens=request.num_output_tokens,
                               num_cached_tokens=max(request.num_cached_tokens, 0))
+        if request.sampling_params.logprobs is not None:
+            logprobs = self.runner.sampled_logprobs.pop(request.request_id, None)
+            if logprobs is None:
+                raise RuntimeError("the model runner returned no logprobs for the sampled token")
+            out.logprobs = [logprobs]
         if self.detokenize:
             stop = self.outputs.add_tokens(out)
             if stop is not None and not request.status.is_finished:

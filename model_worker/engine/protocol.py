@@ -124,10 +124,13 @@ class RequestProgress(_Struct, gc=False):
     num_output_tokens: int
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int
+    # One entry per token id, when the request asked for logprobs.
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
     def to_chunk(self, num_prompt_tokens: int) -> GenerationChunk:
         return GenerationChunk(self.request_id, token_ids=self.token_ids, num_prompt_tokens=num_prompt_tokens,
-                               num_output_tokens=self.num_output_tokens, num_cached_tokens=self.num_cached_tokens)
+                               num_output_tokens=self.num_output_tokens, num_cached_tokens=self.num_cached_tokens,
+                               logprobs=self.logprobs)
 
 
 class RequestFinished(_Struct):
@@ -144,17 +147,19 @@ class RequestFinished(_Struct):
     num_cached_tokens: int = 0
     timings: RequestTimings | None = None
     error: str | None = None
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
     @classmethod
     def of(cls, out: GenerationChunk) -> "RequestFinished":
-        return cls(out.request_id, out.finish_reason, out.token_ids, out.stop_reason,
-                   out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens, out.timings, out.error)
+        return cls(out.request_id, out.finish_reason, out.token_ids, out.stop_reason, out.num_prompt_tokens,
+                   out.num_output_tokens, out.num_cached_tokens, out.timings, out.error, out.logprobs)
 
     def to_chunk(self) -> GenerationChunk:
         return GenerationChunk(self.request_id, token_ids=self.token_ids, finished=True,
                                finish_reason=self.finish_reason, stop_reason=self.stop_reason,
                                num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens,
-                               num_cached_tokens=self.num_cached_tokens, timings=self.timings, error=self.error)
+                               num_cached_tokens=self.num_cached_tokens, timings=self.timings, error=self.error,
+                               logprobs=self.logprobs)
 
 
 # What a consumer may ask of the engine between two steps. A call is one of these (tagged by its

@@ -65,3 +65,7 @@ class PaddedRunner:
     @property
     def load_times_s(self) -> dict[str, float]:
         return self.runner.load_times_s
+
+    @property
+    def sampled_logprobs(self) -> dict[str, tuple[float, list[int], list[float]]]:
+        return self.runner.sampled_logprobs

@@ -79,7 +79,8 @@ class TorchModelRunner:
         self.attention = create_attention_backend(config.attention_backend, self.device, self.dtype, config.block_size)
         self.model = LlamaDecoder(self.spec, checkpoint.weights, self.attention, self.max_model_len,
                                   small_batch_kernel=config.small_batch_kernel)
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = Sampler(self.device, config.seed, self.eos_token_ids)
+        self.sampled_logprobs: dict[str, tuple[float, list[int], list[float]]] = {}
         # Step inputs go to the device in one asynchronous copy (model_worker/runner/uploader.py).
         self.uploader = Uploader(self.device)
         # Decode-only steps replay these on CUDA (model_worker/runner/cuda_graphs.py); set at load.
@@ -209,8 +210,11 @@ class TorchModelRunner:
         with torch.inference_mode():
             logits = self._forward(batch.sequences, all_tokens=False, upcast=False)
             sampling = [seq for seq in batch.sequences if seq.sample]
-            tokens = self.sampler.sample(logits, [seq.sampling_params for seq in sampling],
-                                         [seq.output_index for seq in sampling])
+            tokens, logprobs = self.sampler.sample_with_logprobs(
+                logits, [seq.sampling_params for seq in sampling], [seq.output_index for seq in sampling],
+                [seq.history for seq in sampling])
+            for row, row_logprobs in logprobs.items():
+                self.sampled_logprobs[sampling[row].request_id] = row_logprobs
         self.execute_time_s += time.perf_counter() - start_s
         return tokens
 

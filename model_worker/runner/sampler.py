@@ -6,6 +6,15 @@ probs[i], and needs no cumulative sum or search. A seeded row draws its noise fr
 seeded by (seed, output_index) alone, so its tokens never depend on what else is in the batch,
 and a request preempted and recomputed draws the same noise again.
 
+Before any of that, rows whose parameters ask for it (SamplingParams.processes_logits) have their
+logits processed, as batched tensor ops over those rows only: min_tokens masks EOS and the stop
+ids, logit_bias adds its values, then the penalties on tokens already seen (repetition on prompt
+and output, frequency and presence on the output, as vLLM applies them). A step whose rows ask
+for none of it runs none of it. Rows that ask for `logprobs` get the log-softmax of the logits
+they were drawn from: processed, divided by the temperature when not greedy, before top-k and
+top-p (vLLM's `processed_logprobs`; with no processing and temperature 0 or 1 it is the model's
+own distribution).
+
 On CPU, rows with a temperature and neither top-k nor top-p (the OpenAI API's defaults) draw in
 one pass of our kernel instead (cpu_kernels ops.sample: the same race in log space, the Gumbel-max
 trick, its noise a hash of the row's seed and the token index): torch's softmax, noise and
@@ -16,8 +25,10 @@ alone; an unseeded row's comes from the sampler's generator.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from contracts.sampling import SamplingParams
@@ -38,8 +49,10 @@ class Sampler:
     up from pinned memory without blocking, and top-p takes a full sort rather than a branch on the
     data (which would need a sync)."""
 
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, eos_token_ids: Sequence[int] = ()) -> None:
         self.device = device
+        # What min_tokens keeps from being sampled early, with each request's stop ids.
+        self.eos_token_ids = list(eos_token_ids)
         self._cuda = device.type == "cuda"
         # Noise for unseeded rows; seeded once, so a fresh runner replays the same stream.
         self.generator = torch.Generator(device=device)
@@ -51,8 +64,26 @@ class Sampler:
         """logits (N, vocab) in float32 or the model's dtype (upcast here where a row samples; the
         argmax of a greedy row is the same either way, the upcast being exact); params and
         output_indices have N entries. Returns N token ids."""
+        return self.sample_with_logprobs(logits, params, output_indices)[0]
+
+    def sample_with_logprobs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                             output_indices: Sequence[int],
+                             histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
+                             ) -> tuple[list[int], dict[int, tuple[float, list[int], list[float]]]]:
+        """sample(), with each row's logits processed first and, for the rows that ask, the
+        logprobs of what was drawn: {row: (the token's log probability, the top ids, theirs)}.
+        histories: per row, the (prompt, output) token ids a penalty reads (None where the row has
+        none); required for rows with SamplingParams.penalises_history."""
         if not params:
-            return []
+            return [], {}
+        if any(p.processes_logits for p in params):
+            logits = self._process(logits, params, output_indices, histories)
+        tokens = self._draw(logits, params, output_indices)
+        if all(p.logprobs is None for p in params):
+            return tokens, {}
+        return tokens, self._logprobs(logits, params, tokens)
+
+    def _draw(self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]) -> list[int]:
         greedy = [p.temperature == 0.0 for p in params]
         if all(greedy):
             return self._argmax(logits).tolist()
@@ -71,6 +102,93 @@ class Sampler:
             for row, token in zip(rows, drawn.tolist()):
                 tokens[row] = token
         return tokens
+
+    def _process(self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int],
+                 histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None) -> torch.Tensor:
+        """The logits in float32 with min_tokens, logit_bias and the penalties applied to the rows
+        that ask (a new tensor where the logits came in another dtype; rows in place otherwise)."""
+        logits = logits.float()
+        vocab_size = logits.shape[1]
+        early = _where(p.min_tokens > index for p, index in zip(params, output_indices))
+        if early:
+            rows, ids = [], []
+            for row in early:
+                p = params[row]
+                # A stop id outside the vocabulary can never be sampled: nothing to mask.
+                banned = [t for t in (*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids))
+                          if t < vocab_size]
+                rows += [row] * len(banned)
+                ids += banned
+            if ids:
+                logits[self._tensor(rows, torch.int64), self._tensor(ids, torch.int64)] = float("-inf")
+        biased = _where(p.logit_bias for p in params)
+        if biased:
+            rows = list(itertools.chain.from_iterable([row] * len(params[row].logit_bias) for row in biased))
+            ids = list(itertools.chain.from_iterable(params[row].logit_bias for row in biased))
+            values = list(itertools.chain.from_iterable(params[row].logit_bias.values() for row in biased))
+            self._check_ids(ids, vocab_size, "a logit_bias token id")
+            logits.index_put_((self._tensor(rows, torch.int64), self._tensor(ids, torch.int64)),
+                              self._tensor(values, torch.float32), accumulate=True)
+        penalised = _where(p.penalises_history for p in params)
+        if penalised:
+            if histories is None or any(histories[row] is None for row in penalised):
+                raise ValueError("a row with a penalty needs its token history")
+            rows = self._tensor(penalised, torch.int64)
+            logits[rows] = self._penalised(logits[rows], [params[row] for row in penalised],
+                                           [histories[row] for row in penalised])
+        return logits
+
+    def _penalised(self, logits: torch.Tensor, params: list[SamplingParams],
+                   histories: list[tuple[Sequence[int], Sequence[int]]]) -> torch.Tensor:
+        """Rows (R, vocab) with their penalties applied: one scatter counts every row's output
+        tokens, another marks the prompt's where a repetition penalty needs them."""
+        num_rows, vocab_size = logits.shape
+        counts = self._token_counts([output for _, output in histories], num_rows, vocab_size)
+        in_output = counts > 0
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = in_output | (self._token_counts([prompt for prompt, _ in histories], num_rows, vocab_size) > 0)
+            repetition = self._tensor([p.repetition_penalty for p in params], torch.float32).unsqueeze(1)
+            logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+        frequency = self._tensor([p.frequency_penalty for p in params], torch.float32).unsqueeze(1)
+        presence = self._tensor([p.presence_penalty for p in params], torch.float32).unsqueeze(1)
+        return logits - frequency * counts - presence * in_output
+
+    def _token_counts(self, token_lists: list[Sequence[int]], num_rows: int, vocab_size: int) -> torch.Tensor:
+        """(num_rows, vocab) float32: how often each id occurs in each row's list."""
+        lengths = np.fromiter(map(len, token_lists), dtype=np.int64, count=num_rows)
+        ids = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=int(lengths.sum()))
+        counts = torch.zeros((num_rows, vocab_size), dtype=torch.float32, device=self.device)
+        if len(ids):
+            self._check_ids(ids, vocab_size, "a token id in the history")
+            rows = np.repeat(np.arange(num_rows, dtype=np.int64), lengths)
+            counts.index_put_((self._upload(rows), self._upload(ids)),
+                              torch.ones(len(ids), dtype=torch.float32, device=self.device), accumulate=True)
+        return counts
+
+    def _logprobs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                  tokens: list[int]) -> dict[int, tuple[float, list[int], list[float]]]:
+        """For each row with logprobs set: the log-softmax of the logits it was drawn from (over the
+        temperature when not greedy), at the drawn token and at the top `logprobs` ids."""
+        rows = _where(p.logprobs is not None for p in params)
+        asked = [params[row] for row in rows]
+        temperatures = self._tensor([p.temperature or 1.0 for p in asked], torch.float32).unsqueeze(1)
+        log_probs = torch.log_softmax(logits[self._tensor(rows, torch.int64)].float() / temperatures, dim=-1)
+        drawn = log_probs.gather(1, self._tensor([tokens[row] for row in rows], torch.int64).unsqueeze(1))
+        drawn_values = drawn.squeeze(1).tolist()
+        most = max(p.logprobs for p in asked)
+        top_values, top_ids = (log_probs.topk(most, dim=-1) if most else (log_probs[:, :0], log_probs[:, :0].long()))
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        return {row: (drawn_values[i], top_ids[i][:p.logprobs], top_values[i][:p.logprobs])
+                for i, (row, p) in enumerate(zip(rows, asked))}
+
+    @staticmethod
+    def _check_ids(ids: Sequence[int] | np.ndarray, vocab_size: int, what: str) -> None:
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise ValueError(f"{what} is out of the vocabulary [0, {vocab_size})")
+
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        return tensor.to(self.device, non_blocking=True) if self._cuda else tensor
 
     def _has_fused_kernel(self, logits: torch.Tensor) -> bool:
         return (logits.device.type == "cpu" and cpu_ops.supports(logits.dtype) and logits.stride(1) == 1

@@ -31,6 +31,10 @@ class ScheduledSequence:
     # How many output tokens the request already has: the index of the token sampled now.
     # Seeded sampling draws from (seed, output_index), so results never depend on the batch.
     output_index: int = 0
+    # With sample=True and a penalty on tokens already seen (SamplingParams.penalises_history): the
+    # request's prompt and output token ids, the request's own lists (read during the step, never
+    # changed by the runner). None otherwise.
+    history: tuple[list[int], list[int]] | None = None
 
     @property
     def context_len(self) -> int:
@@ -76,6 +80,10 @@ class ModelRunner(Protocol):
     execute_time_s: float
     # Seconds each part of loading took (weights, tokenizer, KV cache).
     load_times_s: dict[str, float]
+    # Filled by execute() for each sampled row whose SamplingParams.logprobs is set: request id ->
+    # (the token's log probability, the top ids, their log probabilities). The engine takes them
+    # after the step; a runner that never gets such a row may leave it empty.
+    sampled_logprobs: dict[str, tuple[float, list[int], list[float]]]
 
     def execute(self, batch: SchedulerOutput) -> list[int]:
         """Return one sampled token id per sequence with sample=True, in batch order."""

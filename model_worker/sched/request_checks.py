@@ -106,6 +106,8 @@ class RequestChecker:
         """Everything that can refuse a request, before it is queued: token ids, resumed tokens,
         block hashes, and that it fits the context and the KV cache. Raises RequestRejected."""
         token_ids = self.tokenize(prompt)
+        if params.logit_bias:
+            check_token_ids(list(params.logit_bias), self.vocab_size, "logit_bias")
         resumed = self.check_resumed(resumed_token_ids, params)
         hashes = self.check_block_hashes(block_hashes, token_ids, cache_key)
         self.check_limits(len(token_ids), params.max_tokens)

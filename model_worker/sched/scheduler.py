@@ -222,8 +222,11 @@ class Scheduler:
         num_prompt = len(request.prompt_token_ids)
         # A decode's token is an output token: sliced here, without token_slice's call.
         token_ids = output[start - num_prompt:end - num_prompt] if start >= num_prompt else request.token_slice(start, end)
+        sample = end == num_prompt + len(output)
+        params = request.sampling_params
+        history = (request.prompt_token_ids, output) if sample and params.penalises_history else None
         out.sequences.append(ScheduledSequence(request_id, token_ids, start, self._block_tables[request_id],
-                                               end == num_prompt + len(output), request.sampling_params, len(output)))
+                                               sample, params, len(output), history))
         request.num_computed_tokens = end
         if request.timings.first_scheduled_s is None:
             request.timings.first_scheduled_s = self.clock()

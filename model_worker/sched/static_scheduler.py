@@ -82,6 +82,8 @@ class StaticBatchScheduler(Scheduler):
                 sample=True,
                 sampling_params=request.sampling_params,
                 output_index=request.num_output_tokens,
+                history=((request.prompt_token_ids, request.output_token_ids)
+                         if request.sampling_params.penalises_history else None),
             ))
             budget -= 1
         return budget

@@ -112,14 +112,14 @@ def test_a_step_that_raises_on_one_request_fails_only_that_request(model_path):
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompts = {f"r{i}": f"bystander number {i}" for i in range(4)}
     solo = {rid: generate_all(engine, {rid: (prompt, greedy)})[rid] for rid, prompt in prompts.items()}
-    sample = engine.runner.sampler.sample
+    sample = engine.runner.sampler.sample_with_logprobs
 
-    def sample_or_raise(logits, params, output_indices):
+    def sample_or_raise(logits, params, output_indices, histories=None):
         if any(p.seed == 13 for p in params):
             raise IndexError("index -1 is out of bounds for dimension 1 with size 256")
-        return sample(logits, params, output_indices)
+        return sample(logits, params, output_indices, histories)
 
-    engine.runner.sampler.sample = sample_or_raise
+    engine.runner.sampler.sample_with_logprobs = sample_or_raise
     poison = SamplingParams(max_tokens=10, temperature=0.8, seed=13, ignore_eos=True)
     requests = {**{rid: (p, greedy) for rid, p in prompts.items()}, "poison": ("poison", poison)}
     for request_id, (prompt, params) in requests.items():

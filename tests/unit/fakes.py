@@ -27,6 +27,7 @@ class FakeKVRunner:
         self.tokenizer = None
         self.forward_time_s = self.execute_time_s = 0.0
         self.load_times_s: dict[str, float] = {}
+        self.sampled_logprobs: dict[str, tuple[float, list[int], list[float]]] = {}
         self.slots: list[int | None] = [None] * (num_kv_blocks * block_size)
         self.batches: list[SchedulerOutput] = []
         self.forced: dict[tuple[str, int], int] = {}
@@ -59,7 +60,11 @@ class FakeKVRunner:
             context = [self.slots[self._slot(seq.block_table, p)] for p in range(seq.context_len)]
             assert None not in context, "read an unwritten KV slot"
             forced = self.forced.get((seq.request_id, seq.output_index))
-            sampled.append(forced if forced is not None else next_token(context, self.vocab_size))
+            token = forced if forced is not None else next_token(context, self.vocab_size)
+            sampled.append(token)
+            if seq.sampling_params.logprobs is not None:  # the drawn token the likeliest, then its neighbours
+                top = [(token + i) % self.vocab_size for i in range(seq.sampling_params.logprobs)]
+                self.sampled_logprobs[seq.request_id] = (-0.5, top, [-0.5 - i for i in range(len(top))])
         return sampled
 
 

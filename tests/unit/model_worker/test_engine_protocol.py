@@ -93,9 +93,13 @@ def test_decoded_fields_have_their_declared_types():
 
 
 def test_a_progress_output_is_as_compact_as_a_tuple():
-    """A running request's step crosses as [id, token ids, two counts]: no names, no kind."""
+    """A running request's step crosses as [id, token ids, two counts, logprobs]: no names, no kind,
+    and one byte (nil) for the logprobs it did not ask for."""
     data = OUTPUT.encode(StepOutputs(1.0, [RequestProgress("a", [17], 3, 8)]))
-    assert msgspec.msgpack.decode(data) == ["step", 1.0, [["a", [17], 3, 8]], []]
+    assert msgspec.msgpack.decode(data) == ["step", 1.0, [["a", [17], 3, 8, None]], []]
+    logprobs = [(-0.25, [17, 4], [-0.25, -2.5])]
+    data = OUTPUT.encode(StepOutputs(1.0, [RequestProgress("a", [17], 3, 8, logprobs)]))
+    assert OUTPUT.decode(data).progress[0].to_chunk(5).logprobs == [(-0.25, [17, 4], [-0.25, -2.5])]
 
 
 def test_an_unknown_kind_is_an_error_that_names_it():
@@ -191,12 +195,12 @@ def test_a_reader_without_an_appended_field_decodes_messages_written_with_it(mes
 
 
 def test_a_progress_output_with_an_appended_field_decodes_inside_a_step():
-    """What the next field of a running request's output (per-token logprobs, a choice index)
+    """What the next field of a running request's output (a choice index, after the logprobs)
     needs: the step that carries it still reads, at both versions."""
     newer_progress = appended(RequestProgress, "choice_index", 0)
     newer_step = msgspec.defstruct("StepOutputsNext", [("began_s", float), ("progress", list[newer_progress], [])],
                                    array_like=True, tag="step")
     old = StepOutputs(1.0, [RequestProgress("a", [17], 3, 8)])
     assert msgspec.msgpack.Decoder(newer_step).decode(OUTPUT.encode(old)).progress[0].choice_index == 0
-    new = newer_step(1.0, [newer_progress("a", [17], 3, 8, 2)])
+    new = newer_step(1.0, [newer_progress("a", [17], 3, 8, None, 2)])
     assert OUTPUT.decode(msgspec.msgpack.encode(new)) == old

@@ -1,0 +1,140 @@
+"""The sampler's logit processing (min_tokens, logit_bias, presence, frequency and repetition
+penalties) and its logprobs, each against a reference written row by row in plain torch on the
+same logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from contracts.sampling import SamplingParams, SamplingParamsError
+from model_worker.runner.sampler import Sampler
+
+VOCAB = 50
+EOS = 2
+
+
+def _logits(rows: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    return (torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+
+
+def _reference(logits: torch.Tensor, params: SamplingParams, output_index: int,
+               history: tuple[list[int], list[int]] | None) -> torch.Tensor:
+    """One row processed the slow, obvious way."""
+    row = logits.float().clone()
+    if output_index < params.min_tokens:
+        for token in [*params.stop_token_ids, *([] if params.ignore_eos else [EOS])]:
+            row[token] = -math.inf
+    for token, bias in params.logit_bias.items():
+        row[token] += bias
+    if history is not None:
+        prompt, output = history
+        for token in set(prompt) | set(output):
+            if params.repetition_penalty != 1.0:
+                row[token] = (row[token] / params.repetition_penalty if row[token] > 0
+                              else row[token] * params.repetition_penalty)
+        for token in set(output):
+            row[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+    return row
+
+
+CASES = [
+    (SamplingParams(temperature=0.0), 0, None),
+    (SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7, 9]), 1, None),
+    (SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7]), 3, None),  # past min_tokens
+    (SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True, stop_token_ids=[5]), 0, None),
+    (SamplingParams(temperature=0.0, logit_bias={4: 100.0, 11: -100.0, 12: 2.5}), 0, None),
+    (SamplingParams(temperature=0.0, presence_penalty=1.5), 3, ([1, 2, 3], [4, 4, 5])),
+    (SamplingParams(temperature=0.0, frequency_penalty=-0.7), 3, ([1, 2, 3], [4, 4, 5])),
+    (SamplingParams(temperature=0.0, repetition_penalty=1.8), 4, ([1, 6, 6, 8], [4, 4, 5, 1])),
+    (SamplingParams(temperature=0.0, repetition_penalty=0.5, presence_penalty=0.3, frequency_penalty=0.2,
+                    logit_bias={0: 3.0}), 5, ([10, 11], [12, 12, 12, 13, 10])),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_processed_row_matches_the_reference_in_one_batch(dtype):
+    logits = _logits(len(CASES), dtype)
+    params = [p for p, _, _ in CASES]
+    indices = [i for _, i, _ in CASES]
+    histories = [h if p.penalises_history else None for p, _, h in CASES]
+    sampler = Sampler(torch.device("cpu"), seed=0, eos_token_ids=[EOS])
+    processed = sampler._process(logits.clone(), params, indices, histories)
+    for row, (p, index, history) in enumerate(CASES):
+        torch.testing.assert_close(processed[row], _reference(logits[row], p, index, history), rtol=1e-6, atol=1e-5)
+    tokens = sampler.sample_with_logprobs(logits.clone(), params, indices, histories)[0]
+    assert tokens == [int(_reference(logits[row], p, i, h).argmax()) for row, (p, i, h) in enumerate(CASES)]
+
+
+def test_min_tokens_and_bias_steer_greedy_choices():
+    logits = torch.zeros(3, VOCAB)
+    logits[:, EOS] = 10.0
+    logits[:, 7] = 9.0
+    params = [SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[7]),
+              SamplingParams(temperature=0.0, min_tokens=1),
+              SamplingParams(temperature=0.0, logit_bias={30: 20.0})]
+    tokens = Sampler(torch.device("cpu"), seed=0, eos_token_ids=[EOS]).sample(logits, params, [0, 0, 0])
+    assert tokens[0] not in (EOS, 7) and tokens[1] == 7 and tokens[2] == 30
+
+
+def test_a_step_without_processing_leaves_the_logits_alone():
+    logits = _logits(4)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=1),
+              SamplingParams(temperature=0.7, top_k=5, seed=2), SamplingParams(temperature=1.0, top_p=0.8, seed=3)]
+    tokens, logprobs = Sampler(torch.device("cpu"), seed=0).sample_with_logprobs(logits, params, [0, 0, 0, 0])
+    assert torch.equal(logits, before) and logprobs == {} and len(tokens) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_are_the_log_softmax_of_the_processed_logits_over_the_temperature(dtype):
+    logits = _logits(4, dtype, seed=5)
+    params = [SamplingParams(temperature=0.0, logprobs=3),
+              SamplingParams(temperature=0.6, seed=4, logprobs=5, presence_penalty=1.0),
+              SamplingParams(temperature=0.0),  # asks for none
+              SamplingParams(temperature=1.3, top_k=4, seed=9, logprobs=0, logit_bias={3: 5.0})]
+    histories = [None, ([1], [3, 3, 8]), None, None]
+    tokens, logprobs = Sampler(torch.device("cpu"), seed=0, eos_token_ids=[EOS]).sample_with_logprobs(
+        logits.clone(), params, [0, 3, 0, 0], histories)
+    assert sorted(logprobs) == [0, 1, 3]
+    for row in (0, 1, 3):
+        p = params[row]
+        reference = torch.log_softmax(_reference(logits[row], p, 0, histories[row]) / (p.temperature or 1.0), dim=-1)
+        token_logprob, top_ids, top_logprobs = logprobs[row]
+        assert token_logprob == pytest.approx(float(reference[tokens[row]]), abs=1e-5)
+        expected = reference.topk(p.logprobs)
+        assert top_ids == expected.indices.tolist()
+        assert top_logprobs == pytest.approx(expected.values.tolist(), abs=1e-5)
+        assert top_logprobs == sorted(top_logprobs, reverse=True)
+    # Greedy: the drawn token is the most likely one.
+    assert logprobs[0][1][0] == tokens[0] and logprobs[0][0] == pytest.approx(logprobs[0][2][0])
+
+
+def test_seeded_rows_with_penalties_repeat_exactly_whatever_the_batch():
+    logits = _logits(3, seed=8)
+    p = SamplingParams(temperature=0.9, seed=17, frequency_penalty=0.5, repetition_penalty=1.2, logprobs=2)
+    history = ([1, 2], [3, 3, 4])
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    alone = sampler.sample_with_logprobs(logits[1:2].clone(), [p], [3], [history])
+    batch = Sampler(torch.device("cpu"), seed=5).sample_with_logprobs(
+        logits.clone(), [SamplingParams(temperature=1.0), p, SamplingParams(temperature=0.0)], [0, 3, 0],
+        [None, history, None])
+    assert alone[0][0] == batch[0][1]
+    assert alone[1][0][0] == pytest.approx(batch[1][1][0]) and alone[1][0][1] == batch[1][1][1]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("repetition_penalty", 2.5),
+    ("logit_bias", {1: 101}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"1": 1.0}), ("min_tokens", 17),
+    ("min_tokens", -1), ("logprobs", 21), ("logprobs", -1), ("logprobs", True)])
+def test_bad_values_are_refused_naming_the_field(field, value):
+    with pytest.raises(SamplingParamsError) as refused:
+        SamplingParams(max_tokens=16, **{field: value})
+    assert refused.value.param == field
+
+
+def test_a_bias_outside_the_vocabulary_fails_the_step_not_silently():
+    with pytest.raises(ValueError, match="logit_bias"):
+        Sampler(torch.device("cpu"), seed=0).sample(_logits(1), [SamplingParams(logit_bias={VOCAB: 1.0})], [0])
