@@ -92,6 +92,14 @@ class OpenAIFrontend:
     async def models(self) -> dict[str, Any]:
         return (await self.service()).models()
 
+    async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A /tokenize body ({"prompt": ...} or {"messages": [...]}); returns its token ids."""
+        return await (await self.service()).tokenize(body)
+
+    async def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A /detokenize body ({"tokens": [...]}); returns {"prompt": text}."""
+        return (await self.service()).detokenize(body)
+
     async def _unary(self, kind: str, body: Any) -> dict[str, Any]:
         if isinstance(body, dict) and body.get("stream"):
             raise invalid("stream", "use the *_stream method for streaming over a handle")
@@ -117,6 +125,8 @@ class OpenAIFrontend:
             Route("/v1/completions", self._http_completions, methods=["POST"]),
             Route("/v1/chat/completions", self._http_chat, methods=["POST"]),
             Route("/v1/models", self._http_models, methods=["GET"]),
+            Route("/tokenize", self._http_tokenize, methods=["POST"]),
+            Route("/detokenize", self._http_detokenize, methods=["POST"]),
             Route("/health", self._http_health, methods=["GET"]),
             Route("/metrics", self._http_metrics, methods=["GET"]),
             Route("/openapi.json", self._http_openapi, methods=["GET"]),
@@ -143,6 +153,18 @@ class OpenAIFrontend:
         async def respond() -> Response:
             return JSONResponse((await self.service()).models())
         return await self._guarded(request, "/v1/models", respond)
+
+    async def _http_tokenize(self, request: Request) -> Response:
+        async def respond() -> Response:
+            body = await _json_body(request, self._body_timeout_s)
+            return JSONResponse(await (await self.service()).tokenize(body))
+        return await self._guarded(request, "/tokenize", respond)
+
+    async def _http_detokenize(self, request: Request) -> Response:
+        async def respond() -> Response:
+            body = await _json_body(request, self._body_timeout_s)
+            return JSONResponse((await self.service()).detokenize(body))
+        return await self._guarded(request, "/detokenize", respond)
 
     async def _http_metrics(self, request: Request) -> Response:
         async def respond() -> Response:

@@ -28,8 +28,8 @@ from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 from typing_extensions import NotRequired, TypedDict
 
 from contracts.priority import PRIORITIES, Priority
-from contracts.sampling import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams,
-                                SamplingParamsError)
+from contracts.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                MAX_STOP_TOKEN_IDS, SamplingParams, SamplingParamsError)
 from deployments.errors import APIError, invalid
 
 # A completions request may batch prompts; more than this in one body is refused.
@@ -159,6 +159,23 @@ class _DefaultOnly:
         return value
 
 
+def _logit_bias(value: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (as the object's keys, JSON keys being strings) to a bias in
+    [-100, 100]."""
+    if len(value) > MAX_LOGIT_BIAS:
+        raise _refused(lambda path: invalid(path, f"{path} may hold at most {MAX_LOGIT_BIAS} entries; got {len(value)}"))
+    bias = {}
+    for key, number in value.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 18:
+            raise _refused(lambda path: invalid(path, f"{path} keys must be token ids (integers >= 0); "
+                                                      f"got {_short_repr(key)}"))
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not -100 <= number <= 100:
+            raise _refused(lambda path: invalid(path, f"{path}[{key}] must be a number in [-100, 100]; "
+                                                      f"got {_short_repr(number)}"))
+        bias[int(key)] = float(number)
+    return bias
+
+
 def _priority(value: Any) -> Priority:
     try:
         return Priority.parse(value or "interactive")  # null, "", 0 and false mean the default
@@ -241,16 +258,23 @@ class _GenerationRequest(BaseModel):
 
     model: Annotated[str | None, AfterValidator(_served_model), _must_be("a string")] = Field(
         None, description="The served model's name, if given.")
-    logprobs: Annotated[Any, _DefaultOnly(None, False, 0)] = None
-    top_logprobs: Annotated[Any, _DefaultOnly(None, 0)] = None
     echo: Annotated[Any, _DefaultOnly(None, False)] = None
     best_of: Annotated[Any, _DefaultOnly(None, 1)] = None
     suffix: Annotated[Any, _DefaultOnly(None, "")] = None
-    logit_bias: Annotated[Any, _DefaultOnly(None, {})] = None
-    presence_penalty: Annotated[Any, _DefaultOnly(None, 0)] = None
-    frequency_penalty: Annotated[Any, _DefaultOnly(None, 0)] = None
-    repetition_penalty: Annotated[Any, _DefaultOnly(None, 1)] = None
-    min_tokens: Annotated[Any, _DefaultOnly(None, 0)] = None
+    logit_bias: Annotated[dict[str, Any] | None, AfterValidator(_logit_bias), _refuse(
+        lambda path, value: f"{path} must be an object of token ids to numbers in [-100, 100]"),
+        WithJsonSchema({"anyOf": [{"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                   "propertyNames": {"pattern": "^[0-9]{1,18}$"},
+                                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+                                  {"type": "null"}]})] = Field(
+        None, description="Token ids (as strings) to a bias in [-100, 100] added to their logits.")
+    presence_penalty: Annotated[Annotated[float, Field(ge=-2, le=2)] | None, _refuse(_as_sampling_params)] = None
+    frequency_penalty: Annotated[Annotated[float, Field(ge=-2, le=2)] | None, _refuse(_as_sampling_params)] = None
+    repetition_penalty: Annotated[Annotated[float, Field(gt=0, le=2)] | None, _refuse(_as_sampling_params)] = Field(
+        None, description="1: off. Above 1 makes tokens of the prompt and the output less likely (vLLM's).")
+    min_tokens: Annotated[Annotated[int, Field(ge=0)] | None, _refuse(
+        lambda path, value: f"{path} must be an integer >= 0; got {_short_repr(value)}"), BeforeValidator(_integral)
+        ] = Field(None, description="EOS and stop_token_ids cannot end the output before this many tokens.")
     tools: Annotated[Any, _DefaultOnly(None, [])] = None
     functions: Annotated[Any, _DefaultOnly(None, [])] = None
     tool_choice: Annotated[Any, _DefaultOnly(None, "none")] = None
@@ -287,21 +311,35 @@ class _GenerationRequest(BaseModel):
 
     def sampling(self) -> dict[str, Any]:
         """The SamplingParams fields the body sets (max_tokens aside: it depends on the prompt)."""
-        sampling = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "seed", "stop",
-                                                             "stop_token_ids", "ignore_eos")}
+        sampling = {name: getattr(self, name) for name in (
+            "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")}
+        sampling["logprobs"] = self.num_logprobs()
         if isinstance(sampling["stop"], str):
             sampling["stop"] = [sampling["stop"]]
         return {name: value for name, value in sampling.items() if value is not None}
+
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: the alternatives asked for each token (None: no logprobs)."""
+        return None
 
 
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
 
+    logprobs: Annotated[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None, _refuse(
+        lambda path, value: f"{path} must be an integer in [0, {MAX_LOGPROBS}] (the most likely tokens to list "
+                            f"beside each sampled one); got {_short_repr(value)}"), BeforeValidator(_integral),
+        BeforeValidator(lambda value: None if value is False else value)  # false: none, as chat's false
+        ] = Field(None, description="Return each token's log probability and those of this many likely tokens.")
     # After validation: one entry per prompt, each a text or token ids.
     prompt: Annotated[_Prompt, AfterValidator(_prompts), _refuse(
         lambda path, value: f"{path} must be a string, a list of strings, a list of token ids or a list of lists "
                             "of token ids, and not empty"), BeforeValidator(_integral_tokens)]
     max_tokens: _MaxTokens = Field(None, description="16 if not given.")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 @with_config(ConfigDict(strict=True, extra="ignore"))
@@ -365,11 +403,26 @@ def _message_refusal(loc: tuple[int | str, ...], data: Any) -> PydanticCustomErr
 class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
+    logprobs: Annotated[bool | None, _must_be("a boolean")] = Field(
+        None, description="Return each output token's log probability (choices[].logprobs.content).")
+    top_logprobs: Annotated[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None, _refuse(
+        lambda path, value: f"{path} must be an integer in [0, {MAX_LOGPROBS}]; got {_short_repr(value)}"),
+        BeforeValidator(_integral)] = Field(None, description="With logprobs: this many likely tokens per token.")
     messages: Annotated[list[Annotated[ChatMessage, WrapValidator(_checked_message)]],
                         Field(min_length=1, fail_fast=True), _refuse(lambda path, value: _MESSAGES_REFUSAL)]
     max_tokens: _MaxTokens = Field(None, description="The rest of the context if not given.")
     max_completion_tokens: _MaxTokens = Field(None, description="The same as max_tokens.")
     add_generation_prompt: Annotated[bool, _must_be("a boolean")] = True
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise _refused(lambda path: invalid(path, f"{path} needs logprobs set to true"))
+        return value
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -378,3 +431,52 @@ class ChatCompletionRequest(_GenerationRequest):
         if value is not None and max_tokens is not None and value != max_tokens:
             raise _refused(lambda path: invalid(path, "max_tokens and max_completion_tokens disagree; send one"))
         return value
+
+
+# ---- /tokenize and /detokenize (vLLM's request shapes) --------------------------------------------
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a prompt."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: Annotated[str | None, AfterValidator(_served_model), _must_be("a string")] = None
+    prompt: Annotated[str, AfterValidator(_text), _must_be("a string")]
+    add_special_tokens: Annotated[bool, _must_be("a boolean")] = Field(
+        True, description="Add the tokenizer's special tokens (BOS), as a completions prompt gets them.")
+    return_token_strs: Annotated[bool, _must_be("a boolean")] = Field(False, description="Also list each token's text.")
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with messages: the prompt a chat request would send, chat template applied."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: Annotated[str | None, AfterValidator(_served_model), _must_be("a string")] = None
+    messages: Annotated[list[Annotated[ChatMessage, WrapValidator(_checked_message)]],
+                        Field(min_length=1, fail_fast=True), _refuse(lambda path, value: _MESSAGES_REFUSAL)]
+    add_generation_prompt: Annotated[bool, _must_be("a boolean")] = True
+    continue_final_message: Annotated[bool, _must_be("a boolean")] = Field(
+        False, description="Leave the last (assistant) message open for the model to continue.")
+    add_special_tokens: Annotated[bool, _must_be("a boolean")] = Field(
+        False, description="The template writes the special tokens itself.")
+    return_token_strs: Annotated[bool, _must_be("a boolean")] = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_or_the_other(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise _refused(lambda path: invalid(path, "continue_final_message and add_generation_prompt cannot both "
+                                                      "be true"))
+        return value
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: Annotated[str | None, AfterValidator(_served_model), _must_be("a string")] = None
+    tokens: Annotated[list[Annotated[int, Field(ge=0)]], BeforeValidator(_integral_items),
+                      _must_be("a list of token ids (integers >= 0)")]

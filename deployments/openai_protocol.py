@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,7 +23,8 @@ from deployments.openai_models import (CHAT_ROLES, MAX_PROMPTS_PER_REQUEST, Chat
                                        validate)
 
 __all__ = ["CHAT_ROLES", "MAX_PROMPTS_PER_REQUEST", "AssistantMessage", "ChatChoice", "ChatChunkChoice",
-           "ChatCompletion", "ChatCompletionChunk", "ChatDelta", "Completion", "CompletionChoice", "CompletionChunk",
+           "ChatCompletion", "ChatCompletionChunk", "ChatDelta", "ChatLogprobs", "CompletionLogprobs",
+           "TokenLogprob", "TopLogprob", "chat_logprobs", "completion_logprobs", "TokenizeResponse", "DetokenizeResponse", "Completion", "CompletionChoice", "CompletionChunk",
            "CompletionChunkChoice", "ErrorDetail", "ErrorResponse", "FinishReason", "Health", "ModelCard",
            "ModelList", "ParsedRequest", "PromptTokensDetails", "StopReason", "Usage", "choice",
            "completion_response", "parse_chat", "parse_completion", "stream_chunk", "usage", "usage_chunk"]
@@ -47,6 +49,11 @@ class ParsedRequest:
     user: str | None = None
     request_id: str = ""
     created: int = 0
+
+    @property
+    def logprobs(self) -> int | None:
+        """The alternatives asked for each token; None: no logprobs."""
+        return self.sampling.get("logprobs")
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
@@ -101,10 +108,32 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] = Field(description="The likeliest tokens at each position, with the "
+                                                             "sampled one.")
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None = Field(description="With the request's logprobs only.")
     finish_reason: FinishReason
     stop_reason: StopReason
 
@@ -126,7 +155,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None = Field(description="With the request's logprobs: true only.")
     finish_reason: FinishReason
     stop_reason: StopReason
 
@@ -143,7 +172,7 @@ class ChatCompletion(BaseModel):
 class CompletionChunkChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None = Field(description="Of this chunk's tokens, with the request's logprobs.")
     finish_reason: FinishReason | None
     stop_reason: StopReason = Field(None, description="Only on a choice's last chunk.")
 
@@ -168,7 +197,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None = Field(description="Of this chunk's tokens, with the request's logprobs.")
     finish_reason: FinishReason | None
     stop_reason: StopReason = Field(None, description="Only on a choice's last chunk.")
 
@@ -183,6 +212,17 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = Field(None, description="With stream_options.include_usage only: null on every "
                                                   "chunk but the last, which has no choices.")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = Field(description="With return_token_strs only.")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):
@@ -231,23 +271,25 @@ def completion_response(parsed: ParsedRequest, choices: list[dict[str, Any]],
 
 
 def choice(parsed: ParsedRequest, index: int, text: str, finish_reason: str | None,
-           stop_reason: int | str | None) -> dict[str, Any]:
+           stop_reason: int | str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if parsed.kind == "chat":
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish_reason, "stop_reason": stop_reason}
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
 
 
 def stream_chunk(parsed: ParsedRequest, index: int, text: str, finish_reason: str | None = None,
-                 stop_reason: int | str | None = None, role: bool = False) -> dict[str, Any]:
+                 stop_reason: int | str | None = None, role: bool = False,
+                 logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if parsed.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {}
         if text and not role:
             delta["content"] = text
-        item: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        item: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
+                                "finish_reason": finish_reason}
     else:
-        item = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if finish_reason is not None:
         item["stop_reason"] = stop_reason
     return _chunk_envelope(parsed, [item])
@@ -266,3 +308,52 @@ def _chunk_envelope(parsed: ParsedRequest, choices: list[dict[str, Any]]) -> dic
     if parsed.include_usage:
         chunk["usage"] = None  # as OpenAI does: null on every chunk but the last
     return chunk
+
+
+# ---- logprobs -------------------------------------------------------------------------------------
+# A log probability of minus infinity (a token min_tokens or a bias of -100 ruled out) is not JSON;
+# it is sent as this, as vLLM does.
+MIN_LOGPROB = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
+
+
+def completion_logprobs(token_ids: list[int], entries: list[Any], decode: Callable[[int], str], num_top: int,
+                        text_offset: int) -> dict[str, Any]:
+    """The completions API's `logprobs` of some output tokens: their texts, log probabilities, the
+    `num_top` likeliest alternatives of each (with the sampled token, as vLLM lists them) and each
+    token's character offset in the choice's text, starting at `text_offset`. `entries` are the
+    chunk's TokenLogprobs, one per token id; `decode` gives one token's text."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, (logprob, top_ids, top_values) in zip(token_ids, entries):
+        text = decode(token_id)
+        tokens.append(text)
+        token_logprobs.append(_logprob(logprob))
+        # Two ids may decode to one text (pieces of UTF-8 characters): the dict keeps the likelier.
+        top: dict[str, float] = {}
+        for i, v in zip(top_ids[:num_top], top_values):
+            top.setdefault(decode(i), _logprob(v))
+        top.setdefault(text, _logprob(logprob))
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[Any], decode: Callable[[int], str],
+                  num_top: int) -> dict[str, Any]:
+    """The chat API's `logprobs` of some output tokens: {"content": [...]}, each token with its
+    log probability, its UTF-8 bytes and its `num_top` likeliest alternatives."""
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = decode(token_id)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8", "replace"))}
+
+    content = []
+    for token_id, (logprob, top_ids, top_values) in zip(token_ids, entries):
+        entry = item(token_id, logprob)
+        entry["top_logprobs"] = [item(i, v) for i, v in zip(top_ids[:num_top], top_values)]
+        content.append(entry)
+    return {"content": content}

@@ -20,9 +20,11 @@ from typing import Any
 from contracts.serving import GenerateRequest, GenerationChunk, ModelInfo
 from deployments import openai_protocol as oai
 from deployments.backend import Backend
-from deployments.errors import APIError
+from deployments.errors import APIError, rejected
 from deployments.metrics import IngressMetrics, render_ingress_metrics
+from deployments.openai_models import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, validate
 from deployments.request_builder import RequestBuilder
+from model_worker.sched.request_checks import RequestRejected, check_token_ids
 
 
 class OpenAIService:
@@ -31,6 +33,9 @@ class OpenAIService:
         self.info = info
         self.ingress_id = ingress_id
         self.requests = RequestBuilder(tokenizer, info)
+        self.tokenizer = tokenizer
+        # Token id -> its text alone, for logprobs (at most the vocabulary's size).
+        self._token_texts: dict[int, str] = {}
         # (endpoint, status code) -> responses sent by this ingress replica.
         self.http_responses: dict[tuple[str, int], int] = {}
 
@@ -45,6 +50,28 @@ class OpenAIService:
             streams = await _open_all(self.backend, requests)
             return EventStream(self._stream_events(parsed, streams), [s for _, s in streams])
         return await self._unary(parsed, requests)
+
+    async def tokenize(self, body: Any) -> dict[str, Any]:
+        """POST /tokenize: a prompt, or messages with the chat template, as the token ids a
+        generation request would send (vLLM's request and response)."""
+        model = TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
+        request = validate(model, body, self.info.served_model_name)
+        token_ids = await self.requests.tokenize(request)
+        strs = None
+        if request.return_token_strs:
+            convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+            strs = list(convert(token_ids)) if convert is not None else [self.token_text(t) for t in token_ids]
+        return {"count": len(token_ids), "max_model_len": self.info.max_model_len, "tokens": token_ids,
+                "token_strs": strs}
+
+    def detokenize(self, body: Any) -> dict[str, Any]:
+        """POST /detokenize: token ids to their text."""
+        request = validate(DetokenizeRequest, body, self.info.served_model_name)
+        try:
+            check_token_ids(request.tokens, self.info.vocab_size, "tokens")
+        except RequestRejected as exc:
+            raise rejected(exc) from None
+        return {"prompt": self.tokenizer.decode(request.tokens)}
 
     def models(self) -> dict[str, Any]:
         info = self.info
@@ -66,9 +93,28 @@ class OpenAIService:
 
     # ---- responses ----------------------------------------------------------------------------
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs name it (a piece of a UTF-8 character decodes to U+FFFD)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _logprobs(self, parsed: oai.ParsedRequest, chunk: GenerationChunk, text_offset: int = 0
+                  ) -> dict[str, Any] | None:
+        """The chunk's tokens' logprobs in the endpoint's shape; None unless the request asked."""
+        if parsed.logprobs is None:
+            return None
+        entries = chunk.logprobs or []
+        token_ids = chunk.token_ids[-len(entries):] if entries else []
+        if parsed.kind == "chat":
+            return oai.chat_logprobs(token_ids, entries, self.token_text, parsed.logprobs)
+        return oai.completion_logprobs(token_ids, entries, self.token_text, parsed.logprobs, text_offset)
+
     async def _unary(self, parsed: oai.ParsedRequest, requests: list[GenerateRequest]) -> dict[str, Any]:
         results = await _all_or_nothing([self.backend.generate(r) for r in requests])
-        choices = [oai.choice(parsed, i, r.text, r.finish_reason, r.stop_reason) for i, r in enumerate(results)]
+        choices = [oai.choice(parsed, i, r.text, r.finish_reason, r.stop_reason, self._logprobs(parsed, r))
+                   for i, r in enumerate(results)]
         usage = oai.usage(sum(r.num_prompt_tokens for r in results), sum(r.num_output_tokens for r in results),
                           sum(r.num_cached_tokens for r in results))
         return oai.completion_response(parsed, choices, usage)
@@ -79,6 +125,8 @@ class OpenAIService:
         prompt_tokens = [first.num_prompt_tokens for first, _ in streams]
         output_tokens = [0] * len(streams)
         cached_tokens = [0] * len(streams)
+        # Completions: where each choice's next token starts in its text (logprobs' text_offset).
+        text_offsets = [0] * len(streams)
         if parsed.kind == "chat":
             for index in range(len(streams)):
                 yield oai.stream_chunk(parsed, index, "", role=True)
@@ -86,8 +134,12 @@ class OpenAIService:
             async for index, chunk in merged:
                 output_tokens[index] = chunk.num_output_tokens
                 cached_tokens[index] = chunk.num_cached_tokens
-                if chunk.text or chunk.finished:
-                    yield oai.stream_chunk(parsed, index, chunk.text, chunk.finish_reason, chunk.stop_reason)
+                logprobs = self._logprobs(parsed, chunk, text_offsets[index]) if chunk.logprobs else None
+                if logprobs is not None and parsed.kind == "completion":
+                    text_offsets[index] += sum(map(len, logprobs["tokens"]))
+                if chunk.text or chunk.finished or logprobs is not None:
+                    yield oai.stream_chunk(parsed, index, chunk.text, chunk.finish_reason, chunk.stop_reason,
+                                           logprobs=logprobs)
         if parsed.include_usage:
             yield oai.usage_chunk(parsed, oai.usage(sum(prompt_tokens), sum(output_tokens), sum(cached_tokens)))
 

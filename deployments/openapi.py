@@ -19,11 +19,13 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from deployments import openai_protocol as oai
-from deployments.openai_models import ChatCompletionRequest, CompletionRequest
+from deployments.openai_models import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                                       TokenizeCompletionRequest)
 
 _MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest, ChatCompletionRequest, oai.Completion, oai.ChatCompletion, oai.CompletionChunk,
-    oai.ChatCompletionChunk, oai.ModelList, oai.ErrorResponse, oai.Health)
+    oai.ChatCompletionChunk, oai.ModelList, oai.ErrorResponse, oai.Health, TokenizeCompletionRequest,
+    TokenizeChatRequest, DetokenizeRequest, oai.TokenizeResponse, oai.DetokenizeResponse)
 _ERRORS = {
     400: "A malformed body or a bad parameter (`param` names it).",
     401: "Missing or wrong API key (when the server has one).",
@@ -53,6 +55,11 @@ def openapi_spec(served_model_name: str | None = None, vocab_size: int | None = 
                                            "CompletionRequest", "Completion", "CompletionChunk"),
             "/v1/chat/completions": _generation("createChatCompletion", "Answer a conversation.",
                                                 "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"),
+            "/tokenize": _post("tokenize", "A prompt, or messages with the chat template, as token ids.",
+                               {"oneOf": [{"$ref": _ref("TokenizeCompletionRequest")},
+                                          {"$ref": _ref("TokenizeChatRequest")}]}, "TokenizeResponse"),
+            "/detokenize": _post("detokenize", "Token ids as text.", {"$ref": _ref("DetokenizeRequest")},
+                                 "DetokenizeResponse"),
             "/v1/models": _get("listModels", "The served model.", _json("ModelList"), _BEARER, 401, 500, 503),
             "/metrics": _get("metrics", "Prometheus metrics of every replica.",
                              {"text/plain": {"schema": {"type": "string"}}}, _BEARER, 401, 500, 503),
@@ -86,7 +93,8 @@ def _narrow(schemas: dict[str, Any], served_model_name: str | None, vocab_size: 
                 for schema in _integers(properties.get(name, {})):
                     schema["maximum"] = max_model_len - 1
     # The parser takes any int; the service refuses one outside the vocabulary (invalid_token_id).
-    for token_id in _integers(schemas["CompletionRequest"]["properties"]["prompt"]):
+    for token_id in [*_integers(schemas["CompletionRequest"]["properties"]["prompt"]),
+                     *_integers(schemas["DetokenizeRequest"]["properties"]["tokens"])]:
         token_id["minimum"] = 0
         if vocab_size is not None:
             token_id["maximum"] = vocab_size - 1
@@ -112,6 +120,13 @@ def _generation(operation_id: str, summary: str, request: str, response: str, ch
     return {"post": {"operationId": operation_id, "summary": summary, "security": _BEARER,
                      "requestBody": {"required": True, "content": _json(request)},
                      "responses": {"200": ok, **_errors(*_ERRORS)}}}
+
+
+def _post(operation_id: str, summary: str, request: dict[str, Any], response: str) -> dict[str, Any]:
+    return {"post": {"operationId": operation_id, "summary": summary, "security": _BEARER,
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                     "responses": {"200": {"description": "OK.", "content": _json(response)},
+                                   **_errors(400, 401, 404, 408, 413, 500, 503)}}}
 
 
 def _get(operation_id: str, summary: str, content: dict[str, Any], security: list[dict[str, list[str]]],

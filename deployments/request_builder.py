@@ -18,6 +18,7 @@ from typing import Any
 from contracts.serving import GenerateRequest, ModelInfo
 from deployments import openai_protocol as oai
 from deployments.errors import invalid, rejected
+from deployments.openai_models import TokenizeChatRequest, TokenizeCompletionRequest
 from model_worker.sched.hashing import hash_prompt_blocks
 from model_worker.sched.request_checks import RequestRejected, check_context_length, check_not_empty, check_token_ids
 
@@ -48,6 +49,31 @@ class RequestBuilder:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenize_pool, self._generate_requests, parsed)
 
+    async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
+        """A /tokenize body's token ids: the prompt as a completions request would send it, or the
+        messages as a chat request would (the chat template applied); off the event loop unless
+        short, and refused as a prompt would be when it cannot fit the context."""
+        chat = isinstance(request, TokenizeChatRequest)
+        num_chars = (sum(len(m["content"]) + len(m.get("name", "")) for m in request.messages) if chat
+                     else len(request.prompt))
+        self._check_text_size(num_chars, "messages" if chat else "prompt")
+        if num_chars <= INLINE_TOKENIZE_CHARS:
+            return self._tokenize(request)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self._tokenize, request)
+
+    def _tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
+        if isinstance(request, TokenizeCompletionRequest):
+            return list(self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+        text = self._chat_template(request.messages, request.add_generation_prompt, request.continue_final_message)
+        return list(self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
+
+    def _check_text_size(self, num_chars: int, param: str) -> None:
+        limit = self.max_prompt_chars
+        if num_chars > limit:
+            raise invalid(param, f"this model's maximum context length is {self.info.max_model_len} tokens, and a "
+                                 f"text of {num_chars} characters is longer than that many tokens of this tokenizer "
+                                 f"can be (at most {limit} characters)", "context_length_exceeded")
+
     def _check_sizes(self, parsed: oai.ParsedRequest) -> int:
         """Characters of text to tokenize; a prompt that cannot fit the context is refused here."""
         limit = self.max_prompt_chars
@@ -59,15 +85,15 @@ class RequestBuilder:
             num_chars = sum(sizes)
         too_long = next((n for n in sizes if n > limit), None)
         if too_long is not None:
-            raise invalid("messages" if parsed.kind == "chat" else "prompt",
-                          f"this model's maximum context length is {self.info.max_model_len} tokens, and a text of "
-                          f"{too_long} characters is longer than that many tokens of this tokenizer can be "
-                          f"(at most {limit} characters)", "context_length_exceeded")
+            self._check_text_size(too_long, "messages" if parsed.kind == "chat" else "prompt")
         return num_chars
 
     def _generate_requests(self, parsed: oai.ParsedRequest) -> list[GenerateRequest]:
         """Token ids, max_tokens and block hashes for every prompt; raises before any is sent."""
         try:
+            bias = parsed.sampling.get("logit_bias")
+            if bias:
+                check_token_ids(list(bias), self.info.vocab_size, "logit_bias")
             if parsed.kind == "chat":
                 return [self._request(parsed, 0, self._chat_token_ids(parsed), "messages")]
             prompts = [self._encode(p) for p in parsed.prompts]
@@ -94,15 +120,21 @@ class RequestBuilder:
         return token_ids
 
     def _chat_token_ids(self, parsed: oai.ParsedRequest) -> list[int]:
-        try:
-            text = self.tokenizer.apply_chat_template(parsed.messages, tokenize=False,
-                                                      add_generation_prompt=parsed.add_generation_prompt)
-        except Exception as exc:  # a template may refuse a conversation (roles out of order, ...)
-            raise invalid("messages", f"the chat template refused these messages: {exc}") from None
+        text = self._chat_template(parsed.messages, parsed.add_generation_prompt)
         # The template writes the special tokens (BOS included) itself.
         token_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         check_not_empty(len(token_ids), "messages", "the conversation, with the chat template applied,")
         return token_ids
+
+
+    def _chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                       continue_final_message: bool = False) -> str:
+        options = {"continue_final_message": True} if continue_final_message else {}
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **options)
+        except Exception as exc:  # a template may refuse a conversation (roles out of order, ...)
+            raise invalid("messages", f"the chat template refused these messages: {exc}") from None
 
 
 def _max_chars_per_token(tokenizer: Any) -> int:

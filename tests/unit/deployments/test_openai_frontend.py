@@ -363,3 +363,90 @@ def test_random_bodies_never_crash_or_hang_the_server(make_server):
         assert server.engine.is_running
         assert (await client.post("/v1/completions", json={"prompt": "alive", "max_tokens": 2})).status_code == 200
     run(main())
+
+
+# ---- logprobs, penalties, /tokenize (the fake runner lists the drawn token first, logprob -0.5) -------
+
+
+def test_completion_logprobs_unary_and_streamed_with_text_offsets(make_server):
+    async def main():
+        _, client = client_for(make_server())
+        body = {"prompt": "abc", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+        unary = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+        logprobs = unary["logprobs"]
+        token_ids = reference_tokens(TOKENIZER.encode("abc"), 6, VOCAB)
+        # Each token's own text: a byte of a longer UTF-8 character alone decodes to U+FFFD.
+        assert logprobs["tokens"] == [TOKENIZER.decode([t]) for t in token_ids]
+        assert unary["text"] == reference_text(TOKENIZER.encode("abc"), 6)
+        assert logprobs["token_logprobs"] == [-0.5] * 6
+        assert logprobs["text_offset"] == [sum(map(len, logprobs["tokens"][:i])) for i in range(6)]
+        for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"]):
+            assert 1 <= len(top) <= 2 and top[token] == -0.5
+        events = sse_events((await client.post("/v1/completions", json={**body, "stream": True})).text)
+        streamed = [e["choices"][0]["logprobs"] for e in events if e["choices"] and e["choices"][0]["logprobs"]]
+        assert [t for lp in streamed for t in lp["tokens"]] == logprobs["tokens"]
+        assert [o for lp in streamed for o in lp["text_offset"]] == logprobs["text_offset"]
+        plain = (await client.post("/v1/completions", json={**body, "logprobs": None})).json()["choices"][0]
+        assert plain["logprobs"] is None and plain["text"] == unary["text"]
+    run(main())
+
+
+def test_chat_logprobs_unary_and_streamed(make_server):
+    async def main():
+        _, client = client_for(make_server())
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
+                "ignore_eos": True, "logprobs": True, "top_logprobs": 3}
+        choice = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        content = choice["logprobs"]["content"]
+        assert len(content) == 5 and choice["message"]["content"]
+        for c in content:
+            assert c["logprob"] == -0.5 and bytes(c["bytes"]).decode() == c["token"]
+            assert [t["logprob"] for t in c["top_logprobs"]] == [-0.5, -1.5, -2.5]
+            assert c["top_logprobs"][0]["token"] == c["token"]
+        events = sse_events((await client.post("/v1/chat/completions", json={**body, "stream": True})).text)
+        streamed = [c for e in events for ch in e["choices"] if ch["logprobs"] for c in ch["logprobs"]["content"]]
+        assert streamed == content
+        without = (await client.post("/v1/chat/completions", json={**body, "logprobs": False, "top_logprobs": 0}))
+        assert without.json()["choices"][0]["logprobs"] is None
+    run(main())
+
+
+def test_logit_bias_and_min_tokens_reach_the_engine(make_server):
+    async def main():
+        server = make_server()
+        _, client = client_for(server)
+        body = {"prompt": "abc", "max_tokens": 4, "min_tokens": 2, "presence_penalty": 0.5,
+                "logit_bias": {"7": 1.5}, "repetition_penalty": 1.2}
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        params = server.engine.engine.runner.batches[-1].sequences[0].sampling_params
+        assert (params.min_tokens, params.presence_penalty, params.logit_bias, params.repetition_penalty) == \
+            (2, 0.5, {7: 1.5}, 1.2)
+        assert server.engine.engine.runner.batches[-1].sequences[0].history is not None
+        r = await client.post("/v1/completions", json={**body, "logit_bias": {str(VOCAB): 1}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+        assert "outside the vocabulary" in r.json()["error"]["message"]
+    run(main())
+
+
+def test_tokenize_and_detokenize(make_server):
+    async def main():
+        _, client = client_for(make_server())
+        r = await client.post("/tokenize", json={"prompt": "héllo", "return_token_strs": True})
+        assert r.status_code == 200, r.text
+        data = r.json()
+        assert data["tokens"] == TOKENIZER.encode("héllo") and data["count"] == 6 and data["max_model_len"] == 512
+        assert "".join(data["token_strs"]).startswith("h")
+        chat = (await client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})).json()
+        assert chat["tokens"] == TOKENIZER.encode("<user>hi\n<assistant>") and chat["token_strs"] is None
+        back = await client.post("/detokenize", json={"tokens": data["tokens"]})
+        assert back.status_code == 200 and back.json() == {"prompt": "héllo"}
+        for path, bad, param in [("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+                                 ("/tokenize", {"messages": []}, "messages"),
+                                 ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+                                 ("/detokenize", {"tokens": [VOCAB]}, "tokens"),
+                                 ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "1"}, "tokens"),
+                                 ("/tokenize", {"messages": [{"role": "user", "content": "x"}],
+                                                "continue_final_message": True}, "continue_final_message")]:
+            r = await client.post(path, json=bad)
+            assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, bad, r.text)
+    run(main())

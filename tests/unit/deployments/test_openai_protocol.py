@@ -111,16 +111,30 @@ def test_sampling_params_are_built_with_the_given_max_tokens():
 
 # ---- refusals -------------------------------------------------------------------------------------
 
-UNSUPPORTED = [("logprobs", True), ("logprobs", 5), ("top_logprobs", 3), ("echo", True), ("best_of", 2),
-               ("suffix", "x"), ("logit_bias", {"1": 5}), ("presence_penalty", 0.5), ("frequency_penalty", 1),
-               ("repetition_penalty", 1.1), ("min_tokens", 2),
+UNSUPPORTED = [("echo", True), ("best_of", 2), ("suffix", "x"),
                ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
                ("functions", [{"name": "f"}]), ("tool_choice", "auto"), ("response_format", {"type": "json_object"})]
-DEFAULTS = [("logprobs", None), ("logprobs", False), ("logprobs", 0), ("top_logprobs", 0), ("echo", False),
-            ("best_of", 1), ("suffix", ""), ("logit_bias", {}), ("presence_penalty", 0), ("presence_penalty", 0.0),
-            ("frequency_penalty", 0), ("repetition_penalty", 1), ("min_tokens", 0), ("tools", []),
-            ("functions", []), ("tool_choice", "none"), ("tool_choice", None), ("response_format", {"type": "text"}),
-            ("response_format", None)]
+DEFAULTS = [("logprobs", None), ("echo", False), ("best_of", 1), ("suffix", ""), ("logit_bias", {}),
+            ("presence_penalty", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0), ("repetition_penalty", 1),
+            ("min_tokens", 0), ("tools", []), ("functions", []), ("tool_choice", "none"), ("tool_choice", None),
+            ("response_format", {"type": "text"}), ("response_format", None), ("logprobs", False)]
+CHAT_DEFAULTS = [("top_logprobs", 0), ("top_logprobs", None)]
+# Sampling fields both endpoints take: (fields, what SamplingParams gets).
+SAMPLING_FIELDS = [
+    ({"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.1},
+     {"presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.1}),
+    ({"logit_bias": {"1": 5, "17": -100.0}}, {"logit_bias": {1: 5.0, 17: -100.0}}),
+    ({"min_tokens": 2.0}, {"min_tokens": 2}),
+]
+BAD_SAMPLING = [  # refused by both endpoints
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": 3}, "repetition_penalty"),
+    ({"logit_bias": []}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"logit_bias": {"1": "5"}}, "logit_bias"), ({"logit_bias": {"1": True}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 1.5}, "min_tokens"), ({"min_tokens": True}, "min_tokens"),
+]
 
 COMMON_ERRORS = [  # (fields, status, param, code), refused by both endpoints
     ({"model": "gpt-4"}, 404, "model", "model_not_found"),
@@ -150,6 +164,7 @@ COMMON_ERRORS = [  # (fields, status, param, code), refused by both endpoints
     ({"priority": "urgent"}, 400, "priority", None), ({"priority": 2}, 400, "priority", None),
     ({"priority": True}, 400, "priority", None),
     *[({name: value}, 400, name, None) for name, value in UNSUPPORTED],
+    *[(fields, 400, name, None) for fields, name in BAD_SAMPLING],
 ]
 
 COMPLETION_ERRORS = [  # (body, param, code)
@@ -159,6 +174,8 @@ COMPLETION_ERRORS = [  # (body, param, code)
     ({"prompt": ["a", [1]]}, "prompt", None), ({"prompt": [1, "a"]}, "prompt", None),
     ({"prompt": [1, True]}, "prompt", None), ({"prompt": [[1], [False]]}, "prompt", None),
     ({"prompt": [1, 2.5]}, "prompt", None),
+    ({"prompt": "x", "logprobs": True}, "logprobs", None), ({"prompt": "x", "logprobs": 21}, "logprobs", None),
+    ({"prompt": "x", "logprobs": -1}, "logprobs", None), ({"prompt": "x", "logprobs": "2"}, "logprobs", None),
     ({"prompt": ["a"] * (oai.MAX_PROMPTS_PER_REQUEST + 1)}, "prompt", None),
     ({"prompt": [[1]] * (oai.MAX_PROMPTS_PER_REQUEST + 1)}, "prompt", None),
 ]
@@ -183,6 +200,11 @@ CHAT_ERRORS = [  # (body, param, code)
     ({"messages": USER, "max_tokens": 8, "max_completion_tokens": 9}, "max_completion_tokens", None),
     ({"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens", None),
     ({"messages": USER, "max_completion_tokens": "9"}, "max_completion_tokens", None),
+    ({"messages": USER, "logprobs": 5}, "logprobs", None), ({"messages": USER, "logprobs": "true"}, "logprobs", None),
+    ({"messages": USER, "top_logprobs": 3}, "top_logprobs", None),
+    ({"messages": USER, "logprobs": False, "top_logprobs": 3}, "top_logprobs", None),
+    ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
+    ({"messages": USER, "logprobs": True, "top_logprobs": -1}, "top_logprobs", None),
 ]
 
 
@@ -215,11 +237,37 @@ def test_chat_refusals(body, param, code):
 
 
 @pytest.mark.parametrize("kind", PARSERS)
-def test_unsupported_parameters_at_their_defaults_are_accepted(kind):
+def test_parameters_at_their_defaults_change_nothing(kind):
     parse, base = PARSERS[kind]
-    for name, value in DEFAULTS:
-        assert parse({**base, name: value}, SERVED).sampling == {}, name
-    parse({**base, **dict(DEFAULTS)}, SERVED)  # all at once, as some clients send them
+    defaults = DEFAULTS + (CHAT_DEFAULTS if kind == "chat" else [])
+    for name, value in defaults:
+        assert parse({**base, name: value}, SERVED).sampling_params(16) == SamplingParams(max_tokens=16), name
+    parse({**base, **dict(defaults)}, SERVED)  # all at once, as some clients send them
+
+
+@pytest.mark.parametrize("kind", PARSERS)
+@pytest.mark.parametrize("fields, expected", SAMPLING_FIELDS)
+def test_penalties_bias_and_min_tokens_reach_the_sampling_params(kind, fields, expected):
+    parse, base = PARSERS[kind]
+    assert parse({**base, **fields}, SERVED).sampling_params(16) == SamplingParams(max_tokens=16, **expected)
+
+
+def test_min_tokens_above_max_tokens_is_refused():
+    parsed = oai.parse_completion({"prompt": "x", "min_tokens": 5, "max_tokens": 3}, SERVED)
+    with pytest.raises(APIError) as info:
+        parsed.sampling_params(3)
+    assert (info.value.status, info.value.param) == (400, "min_tokens")
+
+
+@pytest.mark.parametrize("kind, fields, logprobs", [
+    ("completion", {"logprobs": 0}, 0), ("completion", {"logprobs": 5}, 5), ("completion", {"logprobs": 20}, 20),
+    ("completion", {"logprobs": False}, None), ("completion", {"top_logprobs": 3}, None),  # not a completions field
+    ("chat", {"logprobs": True}, 0), ("chat", {"logprobs": True, "top_logprobs": 4}, 4),
+    ("chat", {"logprobs": False}, None), ("chat", {"logprobs": False, "top_logprobs": 0}, None)])
+def test_logprobs_as_each_endpoint_asks_for_them(kind, fields, logprobs):
+    parse, base = PARSERS[kind]
+    parsed = parse({**base, **fields}, SERVED)
+    assert parsed.logprobs == logprobs and parsed.sampling_params(16).logprobs == logprobs
 
 
 def test_api_error_has_openai_shape():
