@@ -39,7 +39,8 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int | None, param: str
     """Every id inside the vocabulary [0, vocab_size); None: the size is unknown, any id >= 0."""
     bad = next((t for t in token_ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
     if bad is not None:
-        raise RequestRejected(f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+        where = "" if param == "prompt" else f"{param}: "  # a prompt's refusal reads as it always has
+        raise RequestRejected(f"{where}token id {bad} is outside the vocabulary [0, {vocab_size})",
                               code="invalid_token_id", param=param)
 
 
