@@ -70,6 +70,11 @@ class SamplingParams:
     # the logits after min_tokens, logit_bias and the penalties, divided by the temperature (when
     # not greedy), before top-k and top-p. At most MAX_LOGPROBS.
     logprobs: int | None = None
+    # The same for every prompt token but the first (vLLM's prompt_logprobs): the log probability
+    # the model gave it after the tokens before it, and the `prompt_logprobs` most likely tokens
+    # there, from the raw logits (no processing applies to a prompt). A request that asks computes
+    # its whole prompt: the prefix cache holds no logits. At most MAX_LOGPROBS.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -110,8 +115,10 @@ class SamplingParams:
                f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be an integer in [0, max_tokens ({_short(self.max_tokens)})], got {_short(self.min_tokens)}")
-        _check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
-               f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {_short(self.logprobs)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+                   f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {_short(value)}")
         if self.top_k == -1:
             self.top_k = 0
         # Numerically safe values: a request must never reach a step with a value the sampler's

@@ -126,6 +126,9 @@ class GenerationChunk:
     via_channel: bool = False
     # With SamplingParams.logprobs set: one TokenLogprobs per entry of token_ids; else None.
     logprobs: list[TokenLogprobs] | None = None
+    # With SamplingParams.prompt_logprobs set, on the chunk of the first output token: one entry
+    # per prompt token, None for the first; else None.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def extend(self, later: "GenerationChunk") -> None:
         """Fold a later chunk of the same request into this one: texts and tokens add up, the rest
@@ -135,6 +138,8 @@ class GenerationChunk:
         self.text += later.text
         if later.logprobs is not None:
             self.logprobs = [*(self.logprobs or ()), *later.logprobs]
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
         self.token_ids.extend(later.token_ids)
         self.finished = later.finished
         self.finish_reason = later.finish_reason

@@ -258,7 +258,6 @@ class _GenerationRequest(BaseModel):
 
     model: Annotated[str | None, AfterValidator(_served_model), _must_be("a string")] = Field(
         None, description="The served model's name, if given.")
-    echo: Annotated[Any, _DefaultOnly(None, False)] = None
     best_of: Annotated[Any, _DefaultOnly(None, 1)] = None
     suffix: Annotated[Any, _DefaultOnly(None, "")] = None
     logit_bias: Annotated[dict[str, Any] | None, AfterValidator(_logit_bias), _refuse(
@@ -337,9 +336,18 @@ class CompletionRequest(_GenerationRequest):
         lambda path, value: f"{path} must be a string, a list of strings, a list of token ids or a list of lists "
                             "of token ids, and not empty"), BeforeValidator(_integral_tokens)]
     max_tokens: _MaxTokens = Field(None, description="16 if not given.")
+    echo: Annotated[bool | None, _must_be("a boolean")] = Field(
+        None, description="Return the prompt before the completion; with logprobs, the prompt's logprobs too "
+                          "(null for its first token).")
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def sampling(self) -> dict[str, Any]:
+        sampling = super().sampling()
+        if self.echo and self.logprobs is not None:
+            sampling["prompt_logprobs"] = self.logprobs
+        return sampling
 
 
 @with_config(ConfigDict(strict=True, extra="ignore"))
@@ -410,6 +418,7 @@ class ChatCompletionRequest(_GenerationRequest):
         BeforeValidator(_integral)] = Field(None, description="With logprobs: this many likely tokens per token.")
     messages: Annotated[list[Annotated[ChatMessage, WrapValidator(_checked_message)]],
                         Field(min_length=1, fail_fast=True), _refuse(lambda path, value: _MESSAGES_REFUSAL)]
+    echo: Annotated[Any, _DefaultOnly(None, False)] = None
     max_tokens: _MaxTokens = Field(None, description="The rest of the context if not given.")
     max_completion_tokens: _MaxTokens = Field(None, description="The same as max_tokens.")
     add_generation_prompt: Annotated[bool, _must_be("a boolean")] = True

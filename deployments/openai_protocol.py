@@ -44,6 +44,8 @@ class ParsedRequest:
     # Everything but max_tokens, which depends on the prompt length when it is None.
     sampling: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
+    # Completions: the prompt goes before each choice's text (and its logprobs before the choice's).
+    echo: bool = False
     include_usage: bool = False
     priority: Priority = Priority.INTERACTIVE
     user: str | None = None
@@ -67,6 +69,7 @@ def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     parsed = _parsed(request, "completion", served_model, "cmpl-")
     parsed.prompts = request.prompt
     parsed.max_tokens = 16 if request.max_tokens is None else request.max_tokens  # the OpenAI completions default
+    parsed.echo = bool(request.echo)
     return parsed
 
 
@@ -110,9 +113,9 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] = Field(description="The likeliest tokens at each position, with the "
-                                                             "sampled one.")
+    token_logprobs: list[float | None] = Field(description="null for an echoed prompt's first token.")
+    top_logprobs: list[dict[str, float] | None] = Field(description="The likeliest tokens at each position, with "
+                                                                    "the one there.")
     text_offset: list[int]
 
 
@@ -322,14 +325,22 @@ def _logprob(value: float) -> float:
 
 def completion_logprobs(token_ids: list[int], entries: list[Any], decode: Callable[[int], str], num_top: int,
                         text_offset: int) -> dict[str, Any]:
-    """The completions API's `logprobs` of some output tokens: their texts, log probabilities, the
-    `num_top` likeliest alternatives of each (with the sampled token, as vLLM lists them) and each
-    token's character offset in the choice's text, starting at `text_offset`. `entries` are the
-    chunk's TokenLogprobs, one per token id; `decode` gives one token's text."""
+    """The completions API's `logprobs` of some tokens: their texts, log probabilities, the
+    `num_top` likeliest alternatives of each (with the token itself, as vLLM lists them) and each
+    token's character offset in the choice's text, starting at `text_offset`. `entries` are
+    TokenLogprobs, one per token id (None for a prompt's first token: null logprob and
+    alternatives); `decode` gives one token's text."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for token_id, (logprob, top_ids, top_values) in zip(token_ids, entries):
+    for token_id, entry in zip(token_ids, entries):
         text = decode(token_id)
         tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        logprob, top_ids, top_values = entry
         token_logprobs.append(_logprob(logprob))
         # Two ids may decode to one text (pieces of UTF-8 characters): the dict keeps the likelier.
         top: dict[str, float] = {}
@@ -337,8 +348,6 @@ def completion_logprobs(token_ids: list[int], entries: list[Any], decode: Callab
             top.setdefault(decode(i), _logprob(v))
         top.setdefault(text, _logprob(logprob))
         top_logprobs.append(top)
-        offsets.append(text_offset)
-        text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
 

@@ -48,7 +48,7 @@ class OpenAIService:
         requests = await self.requests.build(parsed)
         if parsed.stream:
             streams = await _open_all(self.backend, requests)
-            return EventStream(self._stream_events(parsed, streams), [s for _, s in streams])
+            return EventStream(self._stream_events(parsed, streams, requests), [s for _, s in streams])
         return await self._unary(parsed, requests)
 
     async def tokenize(self, body: Any) -> dict[str, Any]:
@@ -100,33 +100,48 @@ class OpenAIService:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _logprobs(self, parsed: oai.ParsedRequest, chunk: GenerationChunk, text_offset: int = 0
-                  ) -> dict[str, Any] | None:
-        """The chunk's tokens' logprobs in the endpoint's shape; None unless the request asked."""
+    def _logprobs(self, parsed: oai.ParsedRequest, chunk: GenerationChunk, text_offset: int = 0,
+                  echoed: list[int] | None = None) -> dict[str, Any] | None:
+        """The chunk's tokens' logprobs in the endpoint's shape, after those of the `echoed`
+        prompt's tokens when given; None unless the request asked."""
         if parsed.logprobs is None:
             return None
-        entries = chunk.logprobs or []
+        entries: list[Any] = list(chunk.logprobs or [])
         token_ids = chunk.token_ids[-len(entries):] if entries else []
+        if echoed is not None:
+            token_ids = [*echoed, *token_ids]
+            entries = [*(chunk.prompt_logprobs or [None] * len(echoed)), *entries]
         if parsed.kind == "chat":
             return oai.chat_logprobs(token_ids, entries, self.token_text, parsed.logprobs)
         return oai.completion_logprobs(token_ids, entries, self.token_text, parsed.logprobs, text_offset)
 
+    def _prompt_text(self, parsed: oai.ParsedRequest, index: int) -> str:
+        """An echoed prompt: as it was sent, or the text of its token ids."""
+        prompt = parsed.prompts[index]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
     async def _unary(self, parsed: oai.ParsedRequest, requests: list[GenerateRequest]) -> dict[str, Any]:
         results = await _all_or_nothing([self.backend.generate(r) for r in requests])
-        choices = [oai.choice(parsed, i, r.text, r.finish_reason, r.stop_reason, self._logprobs(parsed, r))
-                   for i, r in enumerate(results)]
+        choices = []
+        for i, (request, r) in enumerate(zip(requests, results)):
+            echoed = request.prompt_token_ids if parsed.echo else None
+            text = self._prompt_text(parsed, i) + r.text if parsed.echo else r.text
+            choices.append(oai.choice(parsed, i, text, r.finish_reason, r.stop_reason,
+                                      self._logprobs(parsed, r, echoed=echoed)))
         usage = oai.usage(sum(r.num_prompt_tokens for r in results), sum(r.num_output_tokens for r in results),
                           sum(r.num_cached_tokens for r in results))
         return oai.completion_response(parsed, choices, usage)
 
     async def _stream_events(self, parsed: oai.ParsedRequest,
-                             streams: list[tuple[GenerationChunk, AsyncIterator[GenerationChunk]]]
-                             ) -> AsyncIterator[dict[str, Any]]:
+                             streams: list[tuple[GenerationChunk, AsyncIterator[GenerationChunk]]],
+                             requests: list[GenerateRequest]) -> AsyncIterator[dict[str, Any]]:
         prompt_tokens = [first.num_prompt_tokens for first, _ in streams]
         output_tokens = [0] * len(streams)
         cached_tokens = [0] * len(streams)
         # Completions: where each choice's next token starts in its text (logprobs' text_offset).
         text_offsets = [0] * len(streams)
+        # Completions with echo: each choice's first chunk carries its prompt first.
+        to_echo = [parsed.echo] * len(streams)
         if parsed.kind == "chat":
             for index in range(len(streams)):
                 yield oai.stream_chunk(parsed, index, "", role=True)
@@ -134,11 +149,16 @@ class OpenAIService:
             async for index, chunk in merged:
                 output_tokens[index] = chunk.num_output_tokens
                 cached_tokens[index] = chunk.num_cached_tokens
-                logprobs = self._logprobs(parsed, chunk, text_offsets[index]) if chunk.logprobs else None
+                text, echoed = chunk.text, None
+                if to_echo[index] and (chunk.token_ids or chunk.finished):
+                    to_echo[index] = False
+                    text, echoed = self._prompt_text(parsed, index) + text, requests[index].prompt_token_ids
+                logprobs = (self._logprobs(parsed, chunk, text_offsets[index], echoed)
+                            if chunk.logprobs or echoed is not None else None)
                 if logprobs is not None and parsed.kind == "completion":
                     text_offsets[index] += sum(map(len, logprobs["tokens"]))
-                if chunk.text or chunk.finished or logprobs is not None:
-                    yield oai.stream_chunk(parsed, index, chunk.text, chunk.finish_reason, chunk.stop_reason,
+                if text or chunk.finished or logprobs is not None:
+                    yield oai.stream_chunk(parsed, index, text, chunk.finish_reason, chunk.stop_reason,
                                            logprobs=logprobs)
         if parsed.include_usage:
             yield oai.usage_chunk(parsed, oai.usage(sum(prompt_tokens), sum(output_tokens), sum(cached_tokens)))

@@ -58,6 +58,7 @@ class SimulatedRunner:
         self.execute_time_s = 0.0
         self.load_times_s: dict[str, float] = {}
         self.sampled_logprobs: dict[str, tuple[float, list[int], list[float]]] = {}
+        self.prompt_logprobs: dict[str, tuple[int, list[tuple[float, list[int], list[float]]]]] = {}
         # Steps take no wall time here: no heartbeat inside one (model_worker/engine/engine_loop.py).
         self.progress = 0
 

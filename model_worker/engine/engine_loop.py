@@ -49,7 +49,7 @@ def step_outputs(began_s: float, outputs: list[GenerationChunk]) -> StepOutputs:
             finished.append(RequestFinished.of(out))
         else:
             progress.append(RequestProgress(out.request_id, out.token_ids, out.num_output_tokens,
-                                            out.num_cached_tokens, out.logprobs))
+                                            out.num_cached_tokens, out.logprobs, out.prompt_logprobs))
     return StepOutputs(began_s, progress, finished)
 
 

@@ -214,6 +214,8 @@ class LLMEngine:
         sampled: list[int] = []
         if not batch.is_empty:
             batch, sampled = self._execute(batch, failed)
+            if self.runner.prompt_logprobs:
+                self._keep_prompt_logprobs()
         progressed = self.scheduler.update(batch, sampled)
         now_s = self.clock()
         if not batch.is_empty:
@@ -222,6 +224,19 @@ class LLMEngine:
         self._rolling.record_tokens(now_s, len(progressed))
         self.num_generated_tokens_total += len(progressed)
         return StepUpdate(progressed, failed)
+
+    def _keep_prompt_logprobs(self) -> None:
+        """The step's prompt logprobs into their requests, each at its prompt positions (a chunk
+        computed again, after a failed step or a preemption, writes the same entries again)."""
+        requests = self.scheduler.requests
+        for request_id, (first, entries) in self.runner.prompt_logprobs.items():
+            request = requests.get(request_id)
+            if request is None or not request.wants_prompt_logprobs:
+                continue
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = [None] * request.num_prompt_tokens
+            request.prompt_logprobs[first:first + len(entries)] = entries
+        self.runner.prompt_logprobs.clear()
 
     def take_finished(self) -> list[Request]:
         """The requests that finished since the last call (aborted and failed ones are not
@@ -337,6 +352,9 @@ class LLMEngine:
             if logprobs is None:
                 raise RuntimeError("the model runner returned no logprobs for the sampled token")
             out.logprobs = [logprobs]
+        if request.wants_prompt_logprobs:  # the first output token: the prompt's are all computed
+            out.prompt_logprobs = request.prompt_logprobs or [None] * request.num_prompt_tokens
+            request.prompt_logprobs, request.prompt_logprobs_sent = None, True
         if self.detokenize:
             stop = self.outputs.add_tokens(out)
             if stop is not None and not request.status.is_finished:

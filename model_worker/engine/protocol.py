@@ -126,11 +126,13 @@ class RequestProgress(_Struct, gc=False):
     num_cached_tokens: int
     # One entry per token id, when the request asked for logprobs.
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    # On the first output token of a request that asked for its prompt's logprobs.
+    prompt_logprobs: list[tuple[float, list[int], list[float]] | None] | None = None
 
     def to_chunk(self, num_prompt_tokens: int) -> GenerationChunk:
         return GenerationChunk(self.request_id, token_ids=self.token_ids, num_prompt_tokens=num_prompt_tokens,
                                num_output_tokens=self.num_output_tokens, num_cached_tokens=self.num_cached_tokens,
-                               logprobs=self.logprobs)
+                               logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
 
 
 class RequestFinished(_Struct):
@@ -148,18 +150,20 @@ class RequestFinished(_Struct):
     timings: RequestTimings | None = None
     error: str | None = None
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    prompt_logprobs: list[tuple[float, list[int], list[float]] | None] | None = None
 
     @classmethod
     def of(cls, out: GenerationChunk) -> "RequestFinished":
         return cls(out.request_id, out.finish_reason, out.token_ids, out.stop_reason, out.num_prompt_tokens,
-                   out.num_output_tokens, out.num_cached_tokens, out.timings, out.error, out.logprobs)
+                   out.num_output_tokens, out.num_cached_tokens, out.timings, out.error, out.logprobs,
+                   out.prompt_logprobs)
 
     def to_chunk(self) -> GenerationChunk:
         return GenerationChunk(self.request_id, token_ids=self.token_ids, finished=True,
                                finish_reason=self.finish_reason, stop_reason=self.stop_reason,
                                num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens,
                                num_cached_tokens=self.num_cached_tokens, timings=self.timings, error=self.error,
-                               logprobs=self.logprobs)
+                               logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
 
 
 # What a consumer may ask of the engine between two steps. A call is one of these (tagged by its

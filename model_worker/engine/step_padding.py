@@ -69,3 +69,7 @@ class PaddedRunner:
     @property
     def sampled_logprobs(self) -> dict[str, tuple[float, list[int], list[float]]]:
         return self.runner.sampled_logprobs
+
+    @property
+    def prompt_logprobs(self) -> dict[str, tuple[int, list[tuple[float, list[int], list[float]]]]]:
+        return self.runner.prompt_logprobs

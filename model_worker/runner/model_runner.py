@@ -81,6 +81,7 @@ class TorchModelRunner:
                                   small_batch_kernel=config.small_batch_kernel)
         self.sampler = Sampler(self.device, config.seed, self.eos_token_ids)
         self.sampled_logprobs: dict[str, tuple[float, list[int], list[float]]] = {}
+        self.prompt_logprobs: dict[str, tuple[int, list[tuple[float, list[int], list[float]]]]] = {}
         # Step inputs go to the device in one asynchronous copy (model_worker/runner/uploader.py).
         self.uploader = Uploader(self.device)
         # Decode-only steps replay these on CUDA (model_worker/runner/cuda_graphs.py); set at load.
@@ -209,6 +210,8 @@ class TorchModelRunner:
         start_s = time.perf_counter()
         with torch.inference_mode():
             logits = self._forward(batch.sequences, all_tokens=False, upcast=False)
+            if any(seq.prompt_token_ids is not None for seq in batch.sequences):
+                logits = self._take_prompt_logprobs(batch.sequences, logits)
             sampling = [seq for seq in batch.sequences if seq.sample]
             tokens, logprobs = self.sampler.sample_with_logprobs(
                 logits, [seq.sampling_params for seq in sampling], [seq.output_index for seq in sampling],
@@ -217,6 +220,31 @@ class TorchModelRunner:
                 self.sampled_logprobs[sampling[row].request_id] = row_logprobs
         self.execute_time_s += time.perf_counter() - start_s
         return tokens
+
+    def _take_prompt_logprobs(self, sequences: list[ScheduledSequence], logits: torch.Tensor) -> torch.Tensor:
+        """The logits of the sampled rows alone, once the prompt rows' logprobs (the rows before
+        each sampled one, _prepare_inputs' order) are in self.prompt_logprobs. A prompt token's
+        logprob is the raw log-softmax at the position before it: logit minus logsumexp."""
+        sample_rows: list[int] = []
+        row = 0
+        for seq in sequences:
+            num_rows = _num_prompt_rows(seq)
+            if num_rows:
+                k = seq.sampling_params.prompt_logprobs or 0
+                rows = logits[row:row + num_rows].float()
+                targets = torch.tensor(seq.prompt_token_ids[seq.start_position + 1:seq.start_position + 1 + num_rows],
+                                       dtype=torch.int64, device=rows.device)
+                normaliser = torch.logsumexp(rows, dim=-1, keepdim=True)
+                chosen = (rows.gather(1, targets.unsqueeze(1)) - normaliser).squeeze(1).tolist()
+                top_values, top_ids = rows.topk(k, dim=-1) if k else (rows[:, :0], rows[:, :0].long())
+                top_values, top_ids = (top_values - normaliser).tolist(), top_ids.tolist()
+                self.prompt_logprobs[seq.request_id] = (
+                    seq.start_position + 1, [(c, i, v) for c, i, v in zip(chosen, top_ids, top_values)])
+                row += num_rows
+            if seq.sample:
+                sample_rows.append(row)
+                row += 1
+        return logits[sample_rows]
 
     def compute_logits(self, batch: SchedulerOutput, all_tokens: bool = False) -> torch.Tensor:
         """The forward of execute() without sampling: float32 logits (rows, vocab).
@@ -286,7 +314,15 @@ class TorchModelRunner:
                                 dtype=np.int64, count=num_tokens)
         self._check_ids(token_ids, block_tables)
         sample_rows = np.fromiter((seq.sample for seq in sequences), dtype=bool, count=num_seqs)
-        logits_indices = query_starts[1:][sample_rows] - 1
+        if any(seq.prompt_token_ids is not None for seq in sequences):
+            # Each sequence's prompt rows (_num_prompt_rows), then its sampled row: the order
+            # _take_prompt_logprobs reads them in.
+            logits_indices = np.concatenate([
+                np.concatenate([query_starts[s] + np.arange(_num_prompt_rows(seq), dtype=np.int64),
+                                query_starts[s + 1:s + 2] - 1 if seq.sample else np.zeros(0, dtype=np.int64)])
+                for s, seq in enumerate(sequences)])
+        else:
+            logits_indices = query_starts[1:][sample_rows] - 1
         layout = StepLayout(query_lens=query_lens, start_positions=start_positions, context_lens=context_lens,
                             query_starts=query_starts, block_tables=block_tables, slot_mapping=slot_mapping,
                             block_size=self.block_size)
@@ -313,3 +349,11 @@ class TorchModelRunner:
             row = int(short[0])
             raise ValueError(f"request {sequences[row].request_id}: block table of {int(table_lens[row])} blocks "
                              f"cannot hold {int(context_lens[row])} tokens")
+
+
+def _num_prompt_rows(seq: ScheduledSequence) -> int:
+    """Positions of this chunk whose next token is a prompt token, when the sequence wants its
+    prompt's logprobs: their logits give those tokens' logprobs."""
+    if seq.prompt_token_ids is None:
+        return 0
+    return max(0, min(seq.context_len, len(seq.prompt_token_ids) - 1) - seq.start_position)

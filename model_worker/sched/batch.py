@@ -35,6 +35,10 @@ class ScheduledSequence:
     # request's prompt and output token ids, the request's own lists (read during the step, never
     # changed by the runner). None otherwise.
     history: tuple[list[int], list[int]] | None = None
+    # Set while the request wants its prompt's logprobs and this chunk holds prompt positions whose
+    # next token is a prompt token: the request's prompt token ids (its own list). The runner then
+    # computes logits at every such position too.
+    prompt_token_ids: list[int] | None = None
 
     @property
     def context_len(self) -> int:
@@ -84,6 +88,9 @@ class ModelRunner(Protocol):
     # (the token's log probability, the top ids, their log probabilities). The engine takes them
     # after the step; a runner that never gets such a row may leave it empty.
     sampled_logprobs: dict[str, tuple[float, list[int], list[float]]]
+    # Filled by execute() for each sequence with prompt_token_ids: request id -> (the first prompt
+    # position the entries are for, one (logprob, top ids, their logprobs) per position).
+    prompt_logprobs: dict[str, tuple[int, list[tuple[float, list[int], list[float]]]]]
 
     def execute(self, batch: SchedulerOutput) -> list[int]:
         """Return one sampled token id per sequence with sample=True, in batch order."""

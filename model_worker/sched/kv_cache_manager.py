@@ -23,8 +23,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """Leading blocks of the request already in the cache. The last token is never a hit:
-        its logits are needed to sample, so it is always computed."""
-        if not self.enable_caching:
+        its logits are needed to sample, so it is always computed. A request that wants its
+        prompt's logprobs hits nothing: a cached block has no logits."""
+        if not self.enable_caching or request.wants_prompt_logprobs:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []

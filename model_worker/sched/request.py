@@ -61,6 +61,15 @@ class Request:
     # Chained hashes of every full block of all_token_ids, extended as blocks fill.
     block_hashes: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), filled
+    # as the prompt's chunks are computed and handed out with the first output token, after which
+    # it is None and prompt_logprobs_sent is True (a recompute after preemption asks for none).
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
     @property
     def num_prompt_tokens(self) -> int:

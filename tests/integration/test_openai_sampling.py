@@ -182,3 +182,27 @@ def test_tokenize_and_detokenize_round_trip_with_the_chat_template(served):
     assert chat["count"] == len(chat["tokens"]) and chat["max_model_len"] == 8192
     assert chat["token_strs"] == tokenizer.convert_ids_to_tokens(chat["tokens"])
     assert text["tokens"] == tokenizer.encode("Hello there") and back["prompt"] == rendered
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs_as_transformers_does(served, hf_model):
+    """What lm-evaluation-harness sends for a log-likelihood: token ids, echo, logprobs 1, max_tokens 1."""
+    _, tokenizer = served
+    context = tokenizer.encode("Paris is the capital of")
+    continuation = tokenizer.encode(" France", add_special_tokens=False)
+
+    async def test(client, http):
+        body = {"model": MODEL, "prompt": context + continuation, "max_tokens": 1, "temperature": 0, "logprobs": 1,
+                "echo": True, "seed": 1234}
+        return (await http.post("/v1/completions", json=body)).json()
+
+    reply = run(served, test)
+    logprobs = reply["choices"][0]["logprobs"]
+    prompt = context + continuation
+    assert len(logprobs["tokens"]) == len(prompt) + 1 and logprobs["token_logprobs"][0] is None
+    reference = reference_logprobs(hf_model, prompt[:1], prompt[1:])
+    expected = [float(reference[i, token]) for i, token in enumerate(prompt[1:])]
+    assert logprobs["token_logprobs"][1:len(prompt)] == pytest.approx(expected, abs=1e-3)
+    for position in range(1, len(prompt)):
+        top = logprobs["top_logprobs"][position]
+        assert max(top.values()) == pytest.approx(float(reference[position - 1].max()), abs=1e-3)
+    assert reply["choices"][0]["text"].startswith(tokenizer.decode(prompt))

@@ -138,3 +138,66 @@ def test_bad_values_are_refused_naming_the_field(field, value):
 def test_a_bias_outside_the_vocabulary_fails_the_step_not_silently():
     with pytest.raises(ValueError, match="logit_bias"):
         Sampler(torch.device("cpu"), seed=0).sample(_logits(1), [SamplingParams(logit_bias={VOCAB: 1.0})], [0])
+
+
+# ---- prompt logprobs in the engine: chunked prefill, the prefix cache, preemption ----------------
+
+
+def _all_token_logprobs(engine, prompt: list[int]) -> torch.Tensor:
+    """log_softmax of the logits at every prompt position, from one forward of the whole prompt in
+    blocks no request holds."""
+    from model_worker.sched.batch import ScheduledSequence, SchedulerOutput
+
+    pool = engine.scheduler.kv.pool
+    blocks = pool.allocate(-(-len(prompt) // engine.config.block_size))
+    try:
+        seq = ScheduledSequence("reference", prompt, 0, [b.block_id for b in blocks], True,
+                                SamplingParams(max_tokens=1))
+        logits = engine.runner.compute_logits(SchedulerOutput([seq], len(prompt)), all_tokens=True)
+    finally:
+        pool.free(blocks)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_prompt_logprobs_over_chunks_skip_the_prefix_cache_and_come_once(tiny_model_dir):
+    from model_worker import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", num_threads=1, block_size=4,
+                                    max_num_batched_tokens=16, num_kv_blocks=64))
+    prompt = list(range(5, 45))  # 40 tokens: three chunks of at most 16
+    engine.add_request("warm", prompt, SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    hits_before = engine.stats().prefix_cache_hit_tokens
+    engine.add_request("asks", prompt, SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2))
+    chunks = []
+    while engine.has_unfinished():
+        chunks += [out for out in engine.step() if out.request_id == "asks"]
+    with_prompt = [c for c in chunks if c.prompt_logprobs is not None]
+    assert len(with_prompt) == 1 and with_prompt[0] is chunks[0]  # once, on the first output token
+    entries = with_prompt[0].prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    reference = _all_token_logprobs(engine, prompt)
+    for position in range(1, len(prompt)):
+        logprob, top_ids, top_values = entries[position]
+        assert logprob == pytest.approx(float(reference[position - 1, prompt[position]]), abs=1e-5)
+        expected = reference[position - 1].topk(2)
+        assert top_ids == expected.indices.tolist() and top_values == pytest.approx(expected.values.tolist(), abs=1e-5)
+    assert engine.stats().prefix_cache_hit_tokens == hits_before  # computed, not read from the cache
+    engine.add_request("again", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats().prefix_cache_hit_tokens > hits_before  # a plain request still hits
+
+
+def test_prompt_logprobs_of_a_one_token_answer_ride_its_only_chunk(tiny_model_dir):
+    from model_worker import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", num_threads=1))
+    engine.add_request("one", [7, 8, 9], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, logprobs=0))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    (out,) = outputs
+    assert out.finished and len(out.prompt_logprobs) == 3 and out.prompt_logprobs[1][1] == []
+    assert len(out.logprobs) == 1

@@ -28,6 +28,7 @@ class FakeKVRunner:
         self.forward_time_s = self.execute_time_s = 0.0
         self.load_times_s: dict[str, float] = {}
         self.sampled_logprobs: dict[str, tuple[float, list[int], list[float]]] = {}
+        self.prompt_logprobs: dict[str, tuple[int, list[tuple[float, list[int], list[float]]]]] = {}
         self.slots: list[int | None] = [None] * (num_kv_blocks * block_size)
         self.batches: list[SchedulerOutput] = []
         self.forced: dict[tuple[str, int], int] = {}
@@ -55,6 +56,12 @@ class FakeKVRunner:
                 self.slots[self._slot(seq.block_table, seq.start_position + offset)] = token
         sampled = []
         for seq in batch.sequences:
+            if seq.prompt_token_ids is not None:  # each prompt token the likeliest, at -0.25
+                last = min(seq.context_len, len(seq.prompt_token_ids) - 1)
+                k = seq.sampling_params.prompt_logprobs or 0
+                self.prompt_logprobs[seq.request_id] = (seq.start_position + 1, [
+                    (-0.25, [(t + i) % self.vocab_size for i in range(k)], [-0.25 - i for i in range(k)])
+                    for t in seq.prompt_token_ids[seq.start_position + 1:last + 1]])
             if not seq.sample:
                 continue
             context = [self.slots[self._slot(seq.block_table, p)] for p in range(seq.context_len)]

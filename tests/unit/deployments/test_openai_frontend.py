@@ -450,3 +450,26 @@ def test_tokenize_and_detokenize(make_server):
             r = await client.post(path, json=bad)
             assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, bad, r.text)
     run(main())
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first_unary_and_streamed(make_server):
+    async def main():
+        _, client = client_for(make_server())
+        body = {"prompt": "abc", "max_tokens": 2, "temperature": 0, "ignore_eos": True, "echo": True, "logprobs": 1}
+        unary = (await client.post("/v1/completions", json=body)).json()
+        choice = unary["choices"][0]
+        assert choice["text"].startswith("abc") and unary["usage"]["completion_tokens"] == 2
+        logprobs = choice["logprobs"]
+        assert logprobs["tokens"][:3] == ["a", "b", "c"] and len(logprobs["tokens"]) == 5
+        assert logprobs["token_logprobs"][:3] == [None, -0.25, -0.25] and logprobs["top_logprobs"][0] is None
+        assert logprobs["top_logprobs"][1] == {"b": -0.25} and logprobs["token_logprobs"][3:] == [-0.5, -0.5]
+        assert logprobs["text_offset"][:4] == [0, 1, 2, 3]
+        events = sse_events((await client.post("/v1/completions", json={**body, "stream": True})).text)
+        streamed = [e["choices"][0] for e in events if e["choices"]]
+        assert "".join(c["text"] for c in streamed) == choice["text"]
+        assert [t for c in streamed if c["logprobs"] for t in c["logprobs"]["tokens"]] == logprobs["tokens"]
+        plain = (await client.post("/v1/completions", json={**body, "logprobs": None})).json()["choices"][0]
+        assert plain["text"] == choice["text"] and plain["logprobs"] is None
+        ids = (await client.post("/v1/completions", json={**body, "prompt": [100, 101]})).json()["choices"][0]
+        assert ids["text"].startswith(TOKENIZER.decode([100, 101])) and ids["logprobs"]["token_logprobs"][0] is None
+    run(main())

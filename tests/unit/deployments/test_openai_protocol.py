@@ -111,7 +111,7 @@ def test_sampling_params_are_built_with_the_given_max_tokens():
 
 # ---- refusals -------------------------------------------------------------------------------------
 
-UNSUPPORTED = [("echo", True), ("best_of", 2), ("suffix", "x"),
+UNSUPPORTED = [("best_of", 2), ("suffix", "x"),
                ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
                ("functions", [{"name": "f"}]), ("tool_choice", "auto"), ("response_format", {"type": "json_object"})]
 DEFAULTS = [("logprobs", None), ("echo", False), ("best_of", 1), ("suffix", ""), ("logit_bias", {}),
@@ -176,6 +176,7 @@ COMPLETION_ERRORS = [  # (body, param, code)
     ({"prompt": [1, 2.5]}, "prompt", None),
     ({"prompt": "x", "logprobs": True}, "logprobs", None), ({"prompt": "x", "logprobs": 21}, "logprobs", None),
     ({"prompt": "x", "logprobs": -1}, "logprobs", None), ({"prompt": "x", "logprobs": "2"}, "logprobs", None),
+    ({"prompt": "x", "echo": "yes"}, "echo", None), ({"prompt": "x", "echo": 1}, "echo", None),
     ({"prompt": ["a"] * (oai.MAX_PROMPTS_PER_REQUEST + 1)}, "prompt", None),
     ({"prompt": [[1]] * (oai.MAX_PROMPTS_PER_REQUEST + 1)}, "prompt", None),
 ]
@@ -200,6 +201,7 @@ CHAT_ERRORS = [  # (body, param, code)
     ({"messages": USER, "max_tokens": 8, "max_completion_tokens": 9}, "max_completion_tokens", None),
     ({"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens", None),
     ({"messages": USER, "max_completion_tokens": "9"}, "max_completion_tokens", None),
+    ({"messages": USER, "echo": True}, "echo", None),
     ({"messages": USER, "logprobs": 5}, "logprobs", None), ({"messages": USER, "logprobs": "true"}, "logprobs", None),
     ({"messages": USER, "top_logprobs": 3}, "top_logprobs", None),
     ({"messages": USER, "logprobs": False, "top_logprobs": 3}, "top_logprobs", None),
@@ -268,6 +270,15 @@ def test_logprobs_as_each_endpoint_asks_for_them(kind, fields, logprobs):
     parse, base = PARSERS[kind]
     parsed = parse({**base, **fields}, SERVED)
     assert parsed.logprobs == logprobs and parsed.sampling_params(16).logprobs == logprobs
+    assert parsed.sampling_params(16).prompt_logprobs is None and not parsed.echo
+
+
+@pytest.mark.parametrize("fields, echo, prompt_logprobs", [
+    ({"echo": True}, True, None), ({"echo": True, "logprobs": 1}, True, 1), ({"echo": False, "logprobs": 3}, False, None),
+    ({"echo": None}, False, None)])
+def test_echo_asks_for_the_prompt_logprobs_only_with_logprobs(fields, echo, prompt_logprobs):
+    parsed = oai.parse_completion({"prompt": "x", **fields}, SERVED)
+    assert parsed.echo is echo and parsed.sampling_params(16).prompt_logprobs == prompt_logprobs
 
 
 def test_api_error_has_openai_shape():

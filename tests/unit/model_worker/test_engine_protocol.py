@@ -93,10 +93,10 @@ def test_decoded_fields_have_their_declared_types():
 
 
 def test_a_progress_output_is_as_compact_as_a_tuple():
-    """A running request's step crosses as [id, token ids, two counts, logprobs]: no names, no kind,
-    and one byte (nil) for the logprobs it did not ask for."""
+    """A running request's step crosses as [id, token ids, two counts, logprobs, prompt logprobs]:
+    no names, no kind, and one byte (nil) for each kind of logprobs it did not ask for."""
     data = OUTPUT.encode(StepOutputs(1.0, [RequestProgress("a", [17], 3, 8)]))
-    assert msgspec.msgpack.decode(data) == ["step", 1.0, [["a", [17], 3, 8, None]], []]
+    assert msgspec.msgpack.decode(data) == ["step", 1.0, [["a", [17], 3, 8, None, None]], []]
     logprobs = [(-0.25, [17, 4], [-0.25, -2.5])]
     data = OUTPUT.encode(StepOutputs(1.0, [RequestProgress("a", [17], 3, 8, logprobs)]))
     assert OUTPUT.decode(data).progress[0].to_chunk(5).logprobs == [(-0.25, [17, 4], [-0.25, -2.5])]
@@ -202,5 +202,5 @@ def test_a_progress_output_with_an_appended_field_decodes_inside_a_step():
                                    array_like=True, tag="step")
     old = StepOutputs(1.0, [RequestProgress("a", [17], 3, 8)])
     assert msgspec.msgpack.Decoder(newer_step).decode(OUTPUT.encode(old)).progress[0].choice_index == 0
-    new = newer_step(1.0, [newer_progress("a", [17], 3, 8, None, 2)])
+    new = newer_step(1.0, [newer_progress("a", [17], 3, 8, None, None, 2)])
     assert OUTPUT.decode(msgspec.msgpack.encode(new)) == old
