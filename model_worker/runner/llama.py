@@ -321,6 +321,9 @@ class LlamaDecoder:
                 hidden = self._layer(layer, hidden, cos, sin, k_cache, v_cache, attn_metadata)
                 self.layers_run += 1
         hidden = hidden[logits_indices]  # the final norm is per row, so only sampled rows need it
+        if hidden.shape[0] == 0:  # a prompt chunk that samples nothing: no head (its kernels take >= 1 row)
+            dtype = torch.float32 if upcast or self.fp32_logits else self.dtype
+            return hidden.new_empty((0, self.spec.vocab_size), dtype=dtype)
         if self.fp32_logits:
             normed = F.rms_norm(hidden.float(), self._norm32.shape, self._norm32, self.spec.rms_norm_eps)
             return self._head_linear(normed)

@@ -136,3 +136,22 @@ def test_a_step_that_raises_on_one_request_fails_only_that_request(model_path):
     assert generate_all(engine, {"after": ("bystander number 0", greedy)})["after"] == solo["r0"]
     stats = engine.stats()
     assert stats.num_free_kv_blocks == stats.num_total_kv_blocks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prompt_longer_than_the_step_budget_alone_is_served(model_path, dtype):
+    """A prompt of several chunks with nothing else running: its first chunks sample no row, so the
+    LM head gets no row at all (it failed with "bad panel_linear arguments" on the CPU kernels). Its
+    greedy tokens must equal the same prompt computed in one step."""
+    prompt = [5 + (i * 7) % 900 for i in range(300)]
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    tokens = {}
+    for budget in (64, 512):
+        engine = LLMEngine(EngineConfig(model=model_path, dtype=dtype, num_threads=1, max_num_batched_tokens=budget))
+        engine.add_request("long", prompt, greedy)
+        outputs = []
+        while engine.has_unfinished():
+            outputs += engine.step()
+        assert [out.error for out in outputs if out.error] == [], budget
+        tokens[budget] = [t for out in outputs for t in out.token_ids]
+    assert tokens[64] == tokens[512] and len(tokens[64]) == 4
