@@ -142,6 +142,13 @@ class SamplingParams:
         return bool(self.penalises_history or self.logit_bias or self.min_tokens)
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request seeded with `seed` (n > 1): the first keeps the
+    request's seed, so n = 1 draws as before; the others are spread by an odd 64-bit constant,
+    each its own stream, and the same seed gives the same choices."""
+    return seed if choice == 0 else (seed + choice * 0x9E3779B97F4A7C15) % 2**63
+
+
 class SamplingParamsError(ValueError):
     """Raised for an invalid sampling parameter; `param` names it (OpenAI error `param`)."""
 

@@ -34,6 +34,8 @@ from deployments.errors import APIError, invalid
 
 # A completions request may batch prompts; more than this in one body is refused.
 MAX_PROMPTS_PER_REQUEST = 256
+# Choices per prompt (`n`); and prompts times choices may not pass MAX_PROMPTS_PER_REQUEST either.
+MAX_CHOICES = 32
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 # JSON may carry "\ud800" escapes, which decode to lone surrogates: not Unicode text, and no
@@ -278,9 +280,11 @@ class _GenerationRequest(BaseModel):
     functions: Annotated[Any, _DefaultOnly(None, [])] = None
     tool_choice: Annotated[Any, _DefaultOnly(None, "none")] = None
     response_format: Annotated[Any, _DefaultOnly(None, {"type": "text"})] = None
-    n: Annotated[Annotated[int, Field(ge=1, le=1)] | None,
-                 _refuse(lambda path, value: f"{path} must be 1 (one choice per prompt); got {value!r}"),
-                 BeforeValidator(_integral)] = Field(None, description="One choice per prompt.")
+    n: Annotated[Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None,
+                 _refuse(lambda path, value: f"{path} must be an integer in [1, {MAX_CHOICES}]; "
+                                             f"got {_short_repr(value)}"),
+                 BeforeValidator(_integral)] = Field(None, description="Choices per prompt; they share the prompt's "
+                                                                       "prefill.")
     stream: Annotated[bool | None, _must_be("a boolean")] = None
     stream_options: Annotated[StreamOptions | None, _refuse(
         lambda path, value: f"{path} must be an object" if not isinstance(value, dict)

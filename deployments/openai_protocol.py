@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.priority import Priority
-from contracts.sampling import SamplingParams, SamplingParamsError
+from contracts.sampling import SamplingParams, SamplingParamsError, choice_seed
 from deployments.errors import invalid
 from deployments.openai_models import (CHAT_ROLES, MAX_PROMPTS_PER_REQUEST, ChatCompletionRequest, CompletionRequest,
                                        validate)
@@ -46,6 +46,8 @@ class ParsedRequest:
     stream: bool = False
     # Completions: the prompt goes before each choice's text (and its logprobs before the choice's).
     echo: bool = False
+    # Choices per prompt: choice j of prompt p has index p * n + j.
+    n: int = 1
     include_usage: bool = False
     priority: Priority = Priority.INTERACTIVE
     user: str | None = None
@@ -57,9 +59,13 @@ class ParsedRequest:
         """The alternatives asked for each token; None: no logprobs."""
         return self.sampling.get("logprobs")
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The parameters of one choice: its own seed stream when the request is seeded."""
+        sampling = self.sampling
+        if choice and sampling.get("seed") is not None:
+            sampling = {**sampling, "seed": choice_seed(sampling["seed"], choice)}
         try:
-            return SamplingParams(max_tokens=max_tokens, **self.sampling)
+            return SamplingParams(max_tokens=max_tokens, **sampling)
         except SamplingParamsError as exc:
             raise invalid(exc.param, str(exc)) from None
 
@@ -70,6 +76,9 @@ def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     parsed.prompts = request.prompt
     parsed.max_tokens = 16 if request.max_tokens is None else request.max_tokens  # the OpenAI completions default
     parsed.echo = bool(request.echo)
+    if len(parsed.prompts) * parsed.n > MAX_PROMPTS_PER_REQUEST:
+        raise invalid("n", f"{len(parsed.prompts)} prompts times n = {parsed.n} choices is more than the "
+                           f"{MAX_PROMPTS_PER_REQUEST} a request may hold")
     return parsed
 
 
@@ -88,7 +97,7 @@ def _parsed(request: CompletionRequest | ChatCompletionRequest, kind: str, serve
     include_usage = request.stream_options is not None and request.stream_options.include_usage
     return ParsedRequest(kind=kind, model=served_model, sampling=request.sampling(), stream=bool(request.stream),
                          include_usage=include_usage, priority=request.priority, user=request.user,
-                         request_id=id_prefix + uuid.uuid4().hex, created=int(time.time()))
+                         request_id=id_prefix + uuid.uuid4().hex, created=int(time.time()), n=request.n or 1)
 
 
 # ---- responses ------------------------------------------------------------------------------------

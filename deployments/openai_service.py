@@ -117,7 +117,7 @@ class OpenAIService:
 
     def _prompt_text(self, parsed: oai.ParsedRequest, index: int) -> str:
         """An echoed prompt: as it was sent, or the text of its token ids."""
-        prompt = parsed.prompts[index]
+        prompt = parsed.prompts[index // parsed.n]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
     async def _unary(self, parsed: oai.ParsedRequest, requests: list[GenerateRequest]) -> dict[str, Any]:

@@ -95,20 +95,28 @@ class RequestBuilder:
             if bias:
                 check_token_ids(list(bias), self.info.vocab_size, "logit_bias")
             if parsed.kind == "chat":
-                return [self._request(parsed, 0, self._chat_token_ids(parsed), "messages")]
-            prompts = [self._encode(p) for p in parsed.prompts]
-            return [self._request(parsed, index, token_ids, "prompt") for index, token_ids in enumerate(prompts)]
+                prompts, param = [self._chat_token_ids(parsed)], "messages"
+            else:
+                prompts, param = [self._encode(p) for p in parsed.prompts], "prompt"
+            return [request for index, token_ids in enumerate(prompts)
+                    for request in self._requests(parsed, index, token_ids, param)]
         except RequestRejected as exc:
             raise rejected(exc) from None
 
-    def _request(self, parsed: oai.ParsedRequest, index: int, token_ids: list[int], param: str) -> GenerateRequest:
+    def _requests(self, parsed: oai.ParsedRequest, index: int, token_ids: list[int],
+                  param: str) -> list[GenerateRequest]:
+        """The n choices of one prompt, indices index * n + j, each with its own seed stream. They
+        share one prefill on their replica: the prompt's full blocks are in the prefix cache from
+        the step they are allocated in, so the choices after the first hit them (the router sends
+        the n to one replica: its own dispatch of the first counts as that replica's prefix)."""
         max_tokens = check_context_length(len(token_ids), parsed.max_tokens, self.info.max_model_len, param)
-        request = GenerateRequest(prompt_token_ids=token_ids, params=parsed.sampling_params(max_tokens),
-                                  priority=parsed.priority, request_id=f"{parsed.request_id}-{index}")
         # Hashed once, here, with the request's cache key: the router scores replicas by these,
         # and the replica's cache uses them as sent (RequestChecker.check_block_hashes).
-        request.block_hashes = hash_prompt_blocks(token_ids, self.info.block_size, request.cache_key)
-        return request
+        block_hashes = hash_prompt_blocks(token_ids, self.info.block_size, None)
+        return [GenerateRequest(prompt_token_ids=token_ids, params=parsed.sampling_params(max_tokens, choice),
+                                priority=parsed.priority, request_id=f"{parsed.request_id}-{index * parsed.n + choice}",
+                                block_hashes=list(block_hashes))
+                for choice in range(parsed.n)]
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

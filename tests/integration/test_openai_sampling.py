@@ -206,3 +206,23 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_as_transformers_does(serv
         top = logprobs["top_logprobs"][position]
         assert max(top.values()) == pytest.approx(float(reference[position - 1].max()), abs=1e-3)
     assert reply["choices"][0]["text"].startswith(tokenizer.decode(prompt))
+
+
+def test_n_choices_through_the_openai_client_streamed_and_unary(served):
+    async def test(client, http):
+        base = {"model": MODEL, "messages": QUESTION, "max_tokens": 10, "temperature": 0.9, "seed": 5, "n": 3}
+        unary = await client.chat.completions.create(**base)
+        stream = await client.chat.completions.create(**base, stream=True)
+        pieces: dict[int, str] = {}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                pieces[choice.index] = pieces.get(choice.index, "") + (choice.delta.content or "")
+        completions = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
+                                                      temperature=0.9, seed=5, n=3)
+        return unary, pieces, completions
+
+    unary, pieces, completions = run(served, test)
+    texts = {choice.index: choice.message.content for choice in unary.choices}
+    assert sorted(texts) == [0, 1, 2] and pieces == texts  # seeded: the stream repeats the unary answer
+    assert len(set(texts.values())) > 1 and 3 <= unary.usage.completion_tokens <= 30
+    assert [c.index for c in completions.choices] == [0, 1, 2] and len({c.text for c in completions.choices}) > 1

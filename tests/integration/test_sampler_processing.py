@@ -201,3 +201,47 @@ def test_prompt_logprobs_of_a_one_token_answer_ride_its_only_chunk(tiny_model_di
     (out,) = outputs
     assert out.finished and len(out.prompt_logprobs) == 3 and out.prompt_logprobs[1][1] == []
     assert len(out.logprobs) == 1
+
+
+# ---- n choices: one prefill, the prompt's blocks shared through their reference counts ----------
+
+
+@pytest.mark.parametrize("budget", [16, 512])
+def test_choices_share_one_prefill_and_seeded_choices_repeat(tiny_model_dir, budget):
+    """n choices as the ingress sends them (one request each, the same prompt, their own seeds,
+    queued together): the prompt is computed once. The first choice allocates the prompt's blocks
+    and the prefix cache holds them from that step; the others, admitted in that step or (with a
+    budget smaller than the prompt) once the first's chunks leave room, hit every full block."""
+    from contracts.sampling import choice_seed
+    from model_worker import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", num_threads=1, block_size=4,
+                                    num_kv_blocks=128, max_num_batched_tokens=budget))
+    prompt = list(range(5, 5 + 42))  # 10 full blocks and 2 tokens
+    full_blocks = len(prompt) // 4
+
+    def run(seed: int) -> dict[str, list[int]]:
+        for choice in range(3):
+            engine.add_request(f"s{seed}-{choice}", prompt, SamplingParams(
+                max_tokens=6, temperature=0.9, seed=choice_seed(seed, choice), ignore_eos=True))
+        tokens: dict[str, list[int]] = {f"s{seed}-{c}": [] for c in range(3)}
+        shared_counts = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.token_ids
+            running = {r.request_id for r in engine.scheduler.running}
+            tables = [engine.scheduler.kv.block_ids(rid) for rid in tokens if rid in running]
+            if len(tables) == 3 and shared_counts is None:
+                pool = engine.scheduler.kv.pool
+                shared_counts = [pool.blocks[b].ref_count for b in tables[0][:full_blocks]]
+                assert all(t[:full_blocks] == tables[0][:full_blocks] for t in tables)
+        assert shared_counts == [3] * full_blocks  # one prefill's blocks, referenced by each choice
+        return tokens
+
+    hits_before = engine.stats().prefix_cache_hit_tokens
+    first = run(7)
+    assert engine.stats().prefix_cache_hit_tokens - hits_before == 2 * full_blocks * 4  # the other choices' hits
+    engine.reset_prefix_cache()
+    again = run(7)
+    assert list(first.values()) == list(again.values())  # a seed gives the same choices
+    assert len({tuple(t) for t in first.values()}) == 3  # each choice its own stream

@@ -145,7 +145,8 @@ def test_chat_applies_the_template_and_streams_the_role_first(make_server):
      "context_length_exceeded"),
     ("/v1/completions", {"prompt": "x", "model": "other"}, 404, "model", "model_not_found"),
     ("/v1/completions", {"prompt": [1, 2, 999]}, 400, "prompt", "invalid_token_id"),
-    ("/v1/completions", {"prompt": "x", "n": 3}, 400, "n", None),
+    ("/v1/completions", {"prompt": "x", "n": 33}, 400, "n", None),
+    ("/v1/completions", {"prompt": ["x"] * 100, "n": 3}, 400, "n", None),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", None),
     ("/v1/completions", {"prompt": "x", "priority": "urgent"}, 400, "priority", None),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", None),
@@ -320,7 +321,7 @@ def test_metrics_count_what_was_served(make_server):
         _, client = client_for(server)
         for _ in range(3):
             await client.post("/v1/completions", json={"prompt": "abcd", "max_tokens": 4, "ignore_eos": True})
-        await client.post("/v1/completions", json={"prompt": "abcd", "n": 2})
+        await client.post("/v1/completions", json={"prompt": "abcd", "n": 0})
         text = (await client.get("/metrics")).text
         replica = {"model_name": MODEL, "replica": server.replica_id}
         assert metric(text, "iterserve_time_to_first_token_seconds_count", **replica) == 3
@@ -472,4 +473,29 @@ def test_echo_puts_the_prompt_and_its_logprobs_first_unary_and_streamed(make_ser
         assert plain["text"] == choice["text"] and plain["logprobs"] is None
         ids = (await client.post("/v1/completions", json={**body, "prompt": [100, 101]})).json()["choices"][0]
         assert ids["text"].startswith(TOKENIZER.decode([100, 101])) and ids["logprobs"]["token_logprobs"][0] is None
+    run(main())
+
+
+def test_n_choices_each_indexed_with_its_own_seed_unary_and_streamed(make_server):
+    async def main():
+        server = make_server()
+        _, client = client_for(server)
+        body = {"prompt": ["ab", "cd"], "max_tokens": 3, "n": 3, "seed": 11, "ignore_eos": True,
+                "stream_options": None}
+        unary = (await client.post("/v1/completions", json=body)).json()
+        assert [c["index"] for c in unary["choices"]] == list(range(6))
+        assert unary["usage"]["completion_tokens"] == 18 and unary["usage"]["prompt_tokens"] == 12
+        seeds = {seq.request_id: seq.sampling_params.seed for batch in server.engine.engine.runner.batches
+                 for seq in batch.sequences}
+        assert len(set(seeds.values())) == 3 and len(seeds) == 6  # choice j of either prompt: the same seed
+        assert sorted(seeds.items())[0][1] == 11  # the first choice keeps the request's seed
+        events = sse_events((await client.post("/v1/completions", json={**body, "stream": True})).text)
+        streamed: dict[int, str] = {}
+        for event in events:
+            for choice in event["choices"]:
+                streamed[choice["index"]] = streamed.get(choice["index"], "") + choice["text"]
+        assert streamed == {c["index"]: c["text"] for c in unary["choices"]}
+        chat = (await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                 "n": 2, "max_tokens": 2})).json()
+        assert [c["index"] for c in chat["choices"]] == [0, 1]
     run(main())

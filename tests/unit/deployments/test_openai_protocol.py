@@ -140,7 +140,7 @@ COMMON_ERRORS = [  # (fields, status, param, code), refused by both endpoints
     ({"model": "gpt-4"}, 404, "model", "model_not_found"),
     ({"model": ""}, 404, "model", "model_not_found"),
     ({"model": 5}, 400, "model", None),
-    ({"n": 2}, 400, "n", None), ({"n": "1"}, 400, "n", None), ({"n": True}, 400, "n", None),
+    ({"n": 33}, 400, "n", None), ({"n": "1"}, 400, "n", None), ({"n": True}, 400, "n", None),
     ({"n": 0}, 400, "n", None), ({"n": 1.5}, 400, "n", None),
     ({"stream": "yes"}, 400, "stream", None), ({"stream": 1}, 400, "stream", None),
     ({"stream_options": {"include_usage": True}}, 400, "stream_options", None),

@@ -118,7 +118,7 @@ def test_a_body_the_schema_accepts_the_parser_accepts(kind, body):
     ("completion", {"prompt": ["a"] * 257}, "prompt"),
     ("completion", {"prompt": [1, True]}, "prompt"),
     ("completion", {"prompt": "x", "model": "gpt-4"}, "model"),
-    ("completion", {"prompt": "x", "n": 2}, "n"),
+    ("completion", {"prompt": "x", "n": 33}, "n"),
     ("completion", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("completion", {"prompt": "x", "temperature": 100.5}, "temperature"),
     ("completion", {"prompt": "x", "top_p": 0}, "top_p"),
