@@ -26,9 +26,31 @@ MAX_STOP_TOKEN_IDS = 256
 # The most alternatives per token a request may ask for with `logprobs` (vLLM's default
 # max_logprobs, and OpenAI's limit for chat's top_logprobs).
 MAX_LOGPROBS = 20
+# Structured output: what a grammar may be given as, and the longest spec text taken.
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_CHARS = 256 * 1024
 # The most logit_bias entries per request (OpenAI documents none; the bias is applied as one
 # scatter over the step's rows, and a body of a million entries must not reach it).
 MAX_LOGIT_BIAS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A grammar the output must follow: `kind` "json" (`value` a JSON schema as JSON text),
+    "json_object" (any JSON object; no value), "regex", "choice" (`value` a JSON list of the
+    strings allowed) or "grammar" (EBNF, xgrammar's dialect). `param` is the request field it came
+    from, named in errors."""
+
+    kind: str
+    value: str = ""
+    param: str = "response_format"
+
+    def __post_init__(self) -> None:
+        _check(self.kind in STRUCTURED_KINDS, self.param, f"kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                                                          f"got {_short(self.kind)}")
+        _check(isinstance(self.value, str) and len(self.value) <= MAX_STRUCTURED_CHARS, self.param,
+               f"must be a text of at most {MAX_STRUCTURED_CHARS} characters")
+        _check(bool(self.value) or self.kind == "json_object", self.param, "must not be empty")
 
 
 @dataclass(slots=True)
@@ -75,6 +97,9 @@ class SamplingParams:
     # there, from the raw logits (no processing applies to a prompt). A request that asks computes
     # its whole prompt: the prefix cache holds no logits. At most MAX_LOGPROBS.
     prompt_logprobs: int | None = None
+    # The output follows this grammar (each step's disallowed tokens get -inf, after the penalties
+    # and the bias); None: free text.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,6 +140,8 @@ class SamplingParams:
                f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be an integer in [0, max_tokens ({_short(self.max_tokens)})], got {_short(self.min_tokens)}")
+        _check(self.structured is None or isinstance(self.structured, StructuredOutput), "structured",
+               f"must be a StructuredOutput or None, got {_short(self.structured)}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
@@ -154,6 +181,14 @@ class SamplingParamsError(ValueError):
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param} {message}")
+        self.param = param
+
+
+class GrammarError(SamplingParamsError):
+    """A structured-output spec the grammar library refuses (model_worker.runner.grammar)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        ValueError.__init__(self, message)
         self.param = param
 
 

@@ -17,19 +17,21 @@ do. Sampling values are refused with SamplingParams' own messages: it is the eng
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, GetCoreSchemaHandler,
                       GetJsonSchemaHandler, PlainValidator, StringConstraints, ValidationError, ValidationInfo,
-                      ValidatorFunctionWrapHandler, WithJsonSchema, WrapValidator, field_validator, with_config)
+                      ValidatorFunctionWrapHandler, WithJsonSchema, WrapValidator, field_validator, model_validator,
+                      with_config)
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 from typing_extensions import NotRequired, TypedDict
 
 from contracts.priority import PRIORITIES, Priority
 from contracts.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                MAX_STOP_TOKEN_IDS, SamplingParams, SamplingParamsError)
+                                MAX_STOP_TOKEN_IDS, SamplingParams, SamplingParamsError, StructuredOutput)
 from deployments.errors import APIError, invalid
 
 # A completions request may batch prompts; more than this in one body is refused.
@@ -178,6 +180,25 @@ def _logit_bias(value: dict[str, Any]) -> dict[int, float]:
     return bias
 
 
+def _structured(kind: str, value: Any, param: str) -> StructuredOutput:
+    """One structured-output field as a StructuredOutput (a schema given as text must parse); an
+    APIError naming the field otherwise."""
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise invalid(param, f"{param} is not valid JSON: {exc}") from None
+    if kind == "json" and not isinstance(value, dict):
+        raise invalid(param, f"{param} must be a JSON schema object")
+    if kind == "json_object":
+        return StructuredOutput("json_object", param=param)
+    text = json.dumps(value) if kind in ("json", "choice") else value
+    try:
+        return StructuredOutput(kind, text, param=param)
+    except SamplingParamsError as exc:
+        raise invalid(param, str(exc)) from None
+
+
 def _priority(value: Any) -> Priority:
     try:
         return Priority.parse(value or "interactive")  # null, "", 0 and false mean the default
@@ -245,6 +266,40 @@ def _integral_tokens(prompt: Any) -> Any:
 # ---- requests -------------------------------------------------------------------------------------
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: Annotated[str, _must_be("a string")] = "schema"
+    schema_: Annotated[dict[str, Any], Field(alias="schema"), _must_be("a JSON schema object")]
+    description: str | None = None
+    strict: Annotated[bool | None, _must_be("a boolean")] = Field(
+        None, description="Accepted; the output always follows the schema.")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise _refused(lambda path: invalid(f"{path}.json_schema", f"{path}.json_schema is required when type is "
+                                                                       "json_schema"))
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    json_: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
+    regex: str | None = None
+    choice: Annotated[list[str] | None, Field(min_length=1)] = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -279,7 +334,18 @@ class _GenerationRequest(BaseModel):
     tools: Annotated[Any, _DefaultOnly(None, [])] = None
     functions: Annotated[Any, _DefaultOnly(None, [])] = None
     tool_choice: Annotated[Any, _DefaultOnly(None, "none")] = None
-    response_format: Annotated[Any, _DefaultOnly(None, {"type": "text"})] = None
+    response_format: Annotated[ResponseFormat | None, _refuse(
+        lambda path, value: f"{path} must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or "
+                            f"{{\"type\": \"json_schema\", \"json_schema\": {{\"name\": ..., \"schema\": {{...}}}}}}")
+        ] = Field(None, description="json_object: any JSON object; json_schema: JSON that validates against the schema.")
+    structured_outputs: Annotated[StructuredOutputs | None, _refuse(
+        lambda path, value: f"{path} must be an object with one of json, regex, choice, grammar, json_object")
+        ] = Field(None, description="vLLM's structured outputs: one of json (a schema), regex, choice, grammar "
+                                    "(EBNF), json_object.")
+    guided_json: Annotated[dict[str, Any] | str | None, _must_be("a JSON schema (an object or its JSON text)")] = None
+    guided_regex: Annotated[str | None, _must_be("a regular expression")] = None
+    guided_choice: Annotated[list[str] | None, Field(min_length=1), _must_be("a non-empty list of strings")] = None
+    guided_grammar: Annotated[str | None, _must_be("an EBNF grammar")] = None
     n: Annotated[Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None,
                  _refuse(lambda path, value: f"{path} must be an integer in [1, {MAX_CHOICES}]; "
                                              f"got {_short_repr(value)}"),
@@ -318,6 +384,7 @@ class _GenerationRequest(BaseModel):
             "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")}
         sampling["logprobs"] = self.num_logprobs()
+        sampling["structured"] = self.structured()
         if isinstance(sampling["stop"], str):
             sampling["stop"] = [sampling["stop"]]
         return {name: value for name, value in sampling.items() if value is not None}
@@ -325,6 +392,36 @@ class _GenerationRequest(BaseModel):
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: the alternatives asked for each token (None: no logprobs)."""
         return None
+
+    def structured(self) -> StructuredOutput | None:
+        """The grammar the body asks for, from whichever of its fields names one (at most one may: an
+        APIError otherwise)."""
+        asked: list[StructuredOutput] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(StructuredOutput("json_object", param="response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            asked.append(StructuredOutput("json", json.dumps(fmt.json_schema.schema_),
+                                          param="response_format.json_schema.schema"))
+        outputs = self.structured_outputs
+        if outputs is not None:
+            named = [(name, value) for name, value in (("json", outputs.json_), ("regex", outputs.regex),
+                                                       ("choice", outputs.choice), ("grammar", outputs.grammar),
+                                                       ("json_object", outputs.json_object or None))
+                     if value is not None]
+            if len(named) != 1:
+                raise invalid("structured_outputs", "structured_outputs must name exactly one of json, regex, choice, "
+                                                    "grammar, json_object")
+            asked.append(_structured(*named[0], f"structured_outputs.{named[0][0]}"))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                asked.append(_structured(kind, value, name))
+        if len(asked) > 1:
+            raise invalid(asked[1].param.split(".")[0], "only one structured output may be asked for; got "
+                                                        f"{', '.join(a.param for a in asked)}")
+        return asked[0] if asked else None
 
 
 class CompletionRequest(_GenerationRequest):

@@ -12,9 +12,11 @@ refusal has one message wherever it is raised.
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from contracts.sampling import GrammarError, StructuredOutput
 from contracts.serving import GenerateRequest, ModelInfo
 from deployments import openai_protocol as oai
 from deployments.errors import invalid, rejected
@@ -39,15 +41,43 @@ class RequestBuilder:
         self.max_prompt_chars = info.max_model_len * _max_chars_per_token(tokenizer)
         # One thread: a fast tokenizer is not safe to call from two threads at once.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="iterserve-tokenize")
+        # Structured output's compiler (model_worker.runner.grammar), built at the first grammar.
+        self._grammar_compiler: Any = None
 
     async def build(self, parsed: oai.ParsedRequest) -> list[GenerateRequest]:
         """Every prompt's request, or an APIError before any is sent; tokenized off the event loop
-        unless the text is short."""
+        unless the text is short. A grammar (structured output) is compiled off the event loop
+        first, so that one the grammar library refuses is a 400 and reaches no engine."""
         num_chars = self._check_sizes(parsed)
+        loop = asyncio.get_running_loop()
+        structured = parsed.sampling.get("structured")
+        if structured is not None:
+            await loop.run_in_executor(self._tokenize_pool, self._check_grammar, structured)
         if num_chars <= INLINE_TOKENIZE_CHARS:
             return self._generate_requests(parsed)
-        loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenize_pool, self._generate_requests, parsed)
+
+    def _check_grammar(self, spec: StructuredOutput) -> None:
+        """A JSON schema must be one (jsonschema's meta-schema check), and every spec must compile
+        (the compiled grammar stays in the compiler's cache)."""
+        if spec.kind == "json":
+            import jsonschema
+
+            schema = json.loads(spec.value)
+            try:
+                jsonschema.validators.validator_for(schema).check_schema(schema)
+            except jsonschema.SchemaError as exc:
+                raise invalid(spec.param, f"{spec.param} is not a valid JSON schema: {exc.message}") from None
+        if self._grammar_compiler is None:
+            if self.info.vocab_size is None:
+                return  # the engine compiles it (and refuses it there)
+            from model_worker.runner.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.info.vocab_size)
+        try:
+            self._grammar_compiler.compile(spec)
+        except GrammarError as exc:
+            raise invalid(exc.param, str(exc)) from None
 
     async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
         """A /tokenize body's token ids: the prompt as a completions request would send it, or the

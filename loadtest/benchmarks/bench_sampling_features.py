@@ -11,7 +11,9 @@ ignored) that all use the same features:
 - `logprobs`: greedy with logprobs of the token and its top 5 (SamplingParams.logprobs = 5);
 - `penalties`: greedy with presence, frequency and repetition penalties;
 - `bias_min_tokens`: greedy with a 16-entry logit_bias and min_tokens;
-- `sampled`: temperature 0.8 (the fused kernel's path), for scale.
+- `sampled`: temperature 0.8 (the fused kernel's path), for scale;
+- `json_schema`: greedy under a JSON-schema grammar (an array of at least 64 integers), its mask
+  filled and applied every step.
 
 Each turn waits until every request of the batch is decoding, then times `--steps` decode steps
 (engine.step(), outputs included). The figure is the median step; the ratio is each variant's
@@ -28,7 +30,7 @@ import time
 
 import numpy as np
 
-from contracts.sampling import SamplingParams
+from contracts.sampling import SamplingParams, StructuredOutput
 from model_worker.runner.cpu_features import cpu_flags
 
 VARIANTS = {
@@ -37,6 +39,9 @@ VARIANTS = {
     "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
     "bias_min_tokens": {"logit_bias": {i: 1.0 for i in range(100, 116)}, "min_tokens": 10_000},
     "sampled": {"temperature": 0.8, "seed": 1},
+    # At least 64 integers: a grammar the answer cannot complete within the timed steps.
+    "json_schema": {"structured": StructuredOutput("json", json.dumps(
+        {"type": "array", "items": {"type": "integer"}, "minItems": 64}))},
 }
 
 
@@ -81,8 +86,10 @@ def turn(engine, variant: str, batch: int, steps: int, prompt_tokens: int, rng: 
     times = []
     for _ in range(steps):
         started = time.perf_counter()
-        engine.step()
+        outputs = engine.step()
         times.append(time.perf_counter() - started)
+        if any(out.finished for out in outputs):
+            break  # the batch shrinks from here (a grammar completed): time no more of it
     while engine.has_unfinished():
         engine.step()
     return statistics.median(times)

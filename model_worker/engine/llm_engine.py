@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from contracts.engine_stats import EngineStats
-from contracts.sampling import SamplingParams
+from contracts.sampling import GrammarError, SamplingParams
 from contracts.serving import GenerationChunk, RequestTimings
 from model_worker.sched.batch import ModelRunner, ScheduledSequence, SchedulerOutput
 from model_worker.sched.block_pool import BlockPool
@@ -147,11 +147,30 @@ class LLMEngine:
             output_token_ids=resumed,
             block_hashes=block_hashes,
         )
+        if params.structured is not None:
+            request.grammar = self._matcher(params, resumed)
         self.scheduler.add_request(request)
         if self.detokenize:
             self.outputs.add(request_id, request.prompt_token_ids, params.stop, resumed)
         self.num_prompt_tokens_total += request.num_prompt_tokens
         return request
+
+    def _matcher(self, params: SamplingParams, resumed: list[int]) -> Any:
+        """A new grammar matcher for the request, past its resumed tokens; RequestRejected for a
+        grammar this engine cannot use."""
+        compiler_of = getattr(self.runner, "grammar_compiler", None)
+        structured = params.structured
+        if compiler_of is None:
+            raise RequestRejected("this engine's model runner has no structured output", param=structured.param)
+        try:
+            matcher = compiler_of().matcher(structured)
+        except GrammarError as exc:
+            raise RequestRejected(str(exc), param=exc.param) from None
+        for token in resumed:
+            if not matcher.accept(token):
+                raise RequestRejected(f"resumed token {token} does not follow the request's grammar",
+                                      param="resumed_token_ids")
+        return matcher
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in any state; its blocks are free when this returns."""
@@ -342,7 +361,18 @@ class LLMEngine:
         except Exception as exc:
             return self._fail(request, f"making this request's output failed: {type(exc).__name__}: {exc}")
 
+    def _advance_grammar(self, request: Request) -> None:
+        """The kept token into the request's matcher; a complete grammar finishes the request (as
+        EOS would, and also when EOS is ignored)."""
+        token = request.output_token_ids[-1]
+        if not request.grammar.accept(token):
+            raise RuntimeError(f"token {token} does not follow the request's grammar")
+        if request.grammar.is_terminated() and not request.status.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+
     def _progress_output(self, request: Request) -> GenerationChunk:
+        if request.grammar is not None:
+            self._advance_grammar(request)
         out = GenerationChunk(request_id=request.request_id, token_ids=[request.output_token_ids[-1]],
                               num_prompt_tokens=request.num_prompt_tokens,
                               num_output_tokens=request.num_output_tokens,

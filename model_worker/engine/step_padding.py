@@ -73,3 +73,6 @@ class PaddedRunner:
     @property
     def prompt_logprobs(self) -> dict[str, tuple[int, list[tuple[float, list[int], list[float]]]]]:
         return self.runner.prompt_logprobs
+
+    def grammar_compiler(self) -> Any:
+        return self.runner.grammar_compiler()

@@ -26,6 +26,7 @@ from model_worker.runner.cuda_graphs import DecodeGraphs, cuda_graph_api
 from model_worker.runner.llama import LlamaDecoder
 from model_worker.runner.loader import Checkpoint, load_checkpoint, load_eos_token_ids
 from model_worker.runner.memory_plan import graph_batch_for, kv_budget_bytes, profile_steps
+from model_worker.runner.grammar import GrammarCompiler
 from model_worker.runner.sampler import Sampler
 from model_worker.runner.uploader import Uploader
 
@@ -82,6 +83,7 @@ class TorchModelRunner:
         self.sampler = Sampler(self.device, config.seed, self.eos_token_ids)
         self.sampled_logprobs: dict[str, tuple[float, list[int], list[float]]] = {}
         self.prompt_logprobs: dict[str, tuple[int, list[tuple[float, list[int], list[float]]]]] = {}
+        self._grammar_compiler: GrammarCompiler | None = None
         # Step inputs go to the device in one asynchronous copy (model_worker/runner/uploader.py).
         self.uploader = Uploader(self.device)
         # Decode-only steps replay these on CUDA (model_worker/runner/cuda_graphs.py); set at load.
@@ -215,11 +217,31 @@ class TorchModelRunner:
             sampling = [seq for seq in batch.sequences if seq.sample]
             tokens, logprobs = self.sampler.sample_with_logprobs(
                 logits, [seq.sampling_params for seq in sampling], [seq.output_index for seq in sampling],
-                [seq.history for seq in sampling])
+                [seq.history for seq in sampling], self._grammar_mask(sampling))
             for row, row_logprobs in logprobs.items():
                 self.sampled_logprobs[sampling[row].request_id] = row_logprobs
         self.execute_time_s += time.perf_counter() - start_s
         return tokens
+
+    def _grammar_mask(self, sampling: list[ScheduledSequence]):
+        """The step's grammar masks, filled now, as a function the sampler applies to the sampled
+        rows' logits; None when no row has a grammar. A matcher that raises fails its request
+        alone (fault isolation bisects the step)."""
+        rows = [row for row, seq in enumerate(sampling) if seq.grammar is not None]
+        if not rows:
+            return None
+        compiler = self.grammar_compiler()
+        masks = compiler.allocate_masks(len(sampling))
+        for row in rows:
+            sampling[row].grammar.fill(masks, row)
+        return lambda logits: compiler.apply_masks(logits, masks, rows)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The model's grammar compiler, built at the first request with a grammar (it reads the
+        whole vocabulary once, about 0.1 s)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammar_compiler
 
     def _take_prompt_logprobs(self, sequences: list[ScheduledSequence], logits: torch.Tensor) -> torch.Tensor:
         """The logits of the sampled rows alone, once the prompt rows' logprobs (the rows before

@@ -26,7 +26,7 @@ alone; an unseeded row's comes from the sampler's generator.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -69,15 +69,20 @@ class Sampler:
     def sample_with_logprobs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                              output_indices: Sequence[int],
                              histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
+                             mask: Callable[[torch.Tensor], None] | None = None,
                              ) -> tuple[list[int], dict[int, tuple[float, list[int], list[float]]]]:
         """sample(), with each row's logits processed first and, for the rows that ask, the
         logprobs of what was drawn: {row: (the token's log probability, the top ids, theirs)}.
         histories: per row, the (prompt, output) token ids a penalty reads (None where the row has
-        none); required for rows with SamplingParams.penalises_history."""
+        none); required for rows with SamplingParams.penalises_history. `mask`, when given, is
+        applied last to the float32 logits, in place (a grammar's allowed tokens)."""
         if not params:
             return [], {}
         if any(p.processes_logits for p in params):
             logits = self._process(logits, params, output_indices, histories)
+        if mask is not None:
+            logits = logits.float()
+            mask(logits)
         tokens = self._draw(logits, params, output_indices)
         if all(p.logprobs is None for p in params):
             return tokens, {}

@@ -39,6 +39,9 @@ class ScheduledSequence:
     # next token is a prompt token: the request's prompt token ids (its own list). The runner then
     # computes logits at every such position too.
     prompt_token_ids: list[int] | None = None
+    # With sample=True and a grammar: the request's matcher; the runner masks the row's logits to
+    # the tokens it allows next.
+    grammar: Any = None
 
     @property
     def context_len(self) -> int:

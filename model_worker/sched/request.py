@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from contracts.priority import Priority
 from contracts.sampling import SamplingParams
@@ -66,6 +67,9 @@ class Request:
     # it is None and prompt_logprobs_sent is True (a recompute after preemption asks for none).
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
+    # With SamplingParams.structured: the request's grammar matcher (model_worker.runner.grammar),
+    # advanced by every output token the engine keeps.
+    grammar: Any = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

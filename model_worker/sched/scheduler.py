@@ -227,7 +227,8 @@ class Scheduler:
         history = (request.prompt_token_ids, output) if sample and params.penalises_history else None
         prompt = request.prompt_token_ids if start < num_prompt - 1 and request.wants_prompt_logprobs else None
         out.sequences.append(ScheduledSequence(request_id, token_ids, start, self._block_tables[request_id],
-                                               sample, params, len(output), history, prompt))
+                                               sample, params, len(output), history, prompt,
+                                               request.grammar if sample else None))
         request.num_computed_tokens = end
         if request.timings.first_scheduled_s is None:
             request.timings.first_scheduled_s = self.clock()

@@ -226,3 +226,87 @@ def test_n_choices_through_the_openai_client_streamed_and_unary(served):
     assert sorted(texts) == [0, 1, 2] and pieces == texts  # seeded: the stream repeats the unary answer
     assert len(set(texts.values())) > 1 and 3 <= unary.usage.completion_tokens <= 30
     assert [c.index for c in completions.choices] == [0, 1, 2] and len({c.text for c in completions.choices}) > 1
+
+
+# ---- structured output ---------------------------------------------------------------------------
+
+
+def test_twenty_json_schemas_validate_unary_and_streamed(served):
+    """Each answer parses and validates against its schema, or says why not (finish_reason length)."""
+    import json
+
+    import jsonschema
+
+    from loadtest.benchmarks.json_schemas import SCHEMAS, prompt_for
+
+    async def one(client, description, schema, stream):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": prompt_for(description)}],
+                "max_tokens": 160, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+        if not stream:
+            reply = await client.chat.completions.create(**body)
+            return reply.choices[0].message.content, reply.choices[0].finish_reason
+        text, finish = "", None
+        async for chunk in await client.chat.completions.create(**body, stream=True):
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+        return text, finish
+
+    async def test(client, http):
+        return await asyncio.gather(*(one(client, d, s, stream) for stream in (False, True) for d, s in SCHEMAS))
+
+    answers = run(served, test)
+    complete = 0
+    for (text, finish), (_, schema) in zip(answers, SCHEMAS * 2):
+        if finish == "length":
+            continue
+        assert finish == "stop", (finish, text)
+        jsonschema.validate(json.loads(text), schema)
+        complete += 1
+    assert complete >= 30, answers  # of 40: the model finishes most objects within 160 tokens
+    assert [a for a, _ in answers[:20]] == [a for a, _ in answers[20:]]  # greedy: streamed as unary
+
+
+def test_json_object_regex_choice_and_grammar(served):
+    import json
+    import re
+
+    async def test(client, http):
+        base = {"model": MODEL, "temperature": 0, "max_tokens": 40}
+        question = [{"role": "user", "content": "Return a JSON object with one key, \"ok\", set to true."}]
+        obj = await client.chat.completions.create(**{**base, "max_tokens": 200}, messages=question,
+                                                   response_format={"type": "json_object"})
+        regex = await client.completions.create(**base, prompt="My phone number is",
+                                                extra_body={"guided_regex": r" \d{3}-\d{4}"})
+        choice = await client.chat.completions.create(**base, messages=QUESTION,
+                                                      extra_body={"guided_choice": ["red", "yellow", "blue"]})
+        grammar = await client.completions.create(**base, prompt="Answer:", extra_body={
+            "structured_outputs": {"grammar": 'root ::= " " ("yes" | "no") "."'}})
+        return obj, regex, choice, grammar
+
+    obj, regex, choice, grammar = run(served, test)
+    assert obj.choices[0].finish_reason == "stop" and isinstance(json.loads(obj.choices[0].message.content), dict)
+    assert re.fullmatch(r" \d{3}-\d{4}", regex.choices[0].text), regex.choices[0].text
+    assert choice.choices[0].message.content in ("red", "yellow", "blue")
+    assert grammar.choices[0].text in (" yes.", " no.")
+
+
+def test_bad_grammars_are_refused_before_any_engine(served):
+    async def test(client, http):
+        answers = []
+        for body, param in [
+            ({"prompt": "x", "guided_json": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "guided_json"),
+            ({"prompt": "x", "guided_regex": "(unclosed"}, "guided_regex"),
+            ({"prompt": "x", "guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+            ({"messages": QUESTION, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "object", "minProperties": "two"}}}},
+             "response_format.json_schema.schema"),
+        ]:
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            r = await http.post(path, json=body)
+            answers.append((r.status_code, r.json()["error"]["param"], param, r.json()["error"]["message"]))
+        return answers
+
+    for status, refused, param, message in run(served, test):
+        assert (status, refused) == (400, param), message

@@ -245,3 +245,43 @@ def test_choices_share_one_prefill_and_seeded_choices_repeat(tiny_model_dir, bud
     again = run(7)
     assert list(first.values()) == list(again.values())  # a seed gives the same choices
     assert len({tuple(t) for t in first.values()}) == 3  # each choice its own stream
+
+
+def test_a_grammar_that_fails_mid_generation_fails_its_request_alone(tiny_model_dir):
+    """A matcher that raises while filling its mask (a grammar library fault) ends that request with
+    an error; the others in its batch go on and finish."""
+    from contracts.sampling import StructuredOutput
+    from model_worker import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", num_threads=1))
+    params = SamplingParams(max_tokens=8, temperature=0.0, structured=StructuredOutput("regex", "[a-z ]+"))
+    for request_id in ("bystander", "broken", "plain"):
+        engine.add_request(request_id, "hello there", params if request_id != "plain" else
+                           SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    class FaultyMatcher:
+        """The request's matcher, until its third mask."""
+
+        def __init__(self, matcher) -> None:
+            self.matcher, self.fills = matcher, 0
+
+        def fill(self, masks, row):
+            self.fills += 1
+            if self.fills > 2:
+                raise RuntimeError("grammar library fault")
+            self.matcher.fill(masks, row)
+
+        def accept(self, token):
+            return self.matcher.accept(token)
+
+        def is_terminated(self):
+            return self.matcher.is_terminated()
+
+    request = engine.scheduler.requests["broken"]
+    request.grammar = FaultyMatcher(request.grammar)
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = (out.finish_reason, out.error)
+    assert finals["broken"][0] == "error" and "grammar library fault" in finals["broken"][1]
+    assert finals["bystander"][0] in ("stop", "length") and finals["plain"] == ("length", None)

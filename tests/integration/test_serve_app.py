@@ -102,7 +102,7 @@ def test_every_error_class_over_http(app, client):
         (client.post("/v1/completions", content=b"{"), 400, None),
         (client.post("/v1/completions", json={"prompt": list(range(3, 2043)), "max_tokens": 100}), 400,
          "context_length_exceeded"),
-        (client.post("/v1/completions", json={"prompt": "x", "n": 2}), 400, None),
+        (client.post("/v1/completions", json={"prompt": "x", "n": 33}), 400, None),
         (client.post("/v1/chat/completions", json={"messages": "hello"}), 400, None),
         (client.post("/v1/completions", json={"prompt": "x", "model": "nope"}), 404, "model_not_found"),
         (client.get("/v1/nothing"), 404, "not_found"),
@@ -246,7 +246,7 @@ def test_handle_calls_from_a_separate_deployment(app, client):
         assert text == over_http["choices"][0]["text"]
         pieces = list(assistant.options(stream=True).stream_answer.remote("What is a KV cache?", 8))
         assert len(pieces) >= 1 and all(isinstance(p, str) for p in pieces)
-        assert assistant.status_of.remote({"prompt": "x", "n": 2}).result(timeout_s=60) == 400
+        assert assistant.status_of.remote({"prompt": "x", "n": 33}).result(timeout_s=60) == 400
         # The iterserve handle straight from this driver, too.
         direct = app.serve.get_app_handle("iterserve")
         reply = direct.completions.remote({"prompt": "The scheduler", "max_tokens": 10, "temperature": 0})

@@ -4,7 +4,7 @@ param and code, and what it gets back has OpenAI's shape."""
 import pytest
 
 from contracts.priority import Priority
-from contracts.sampling import SamplingParams
+from contracts.sampling import SamplingParams, StructuredOutput
 from deployments import openai_protocol as oai
 from deployments.errors import APIError
 
@@ -113,7 +113,7 @@ def test_sampling_params_are_built_with_the_given_max_tokens():
 
 UNSUPPORTED = [("best_of", 2), ("suffix", "x"),
                ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-               ("functions", [{"name": "f"}]), ("tool_choice", "auto"), ("response_format", {"type": "json_object"})]
+               ("functions", [{"name": "f"}]), ("tool_choice", "auto")]
 DEFAULTS = [("logprobs", None), ("echo", False), ("best_of", 1), ("suffix", ""), ("logit_bias", {}),
             ("presence_penalty", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0), ("repetition_penalty", 1),
             ("min_tokens", 0), ("tools", []), ("functions", []), ("tool_choice", "none"), ("tool_choice", None),
@@ -134,6 +134,24 @@ BAD_SAMPLING = [  # refused by both endpoints
     ({"logit_bias": {"1": "5"}}, "logit_bias"), ({"logit_bias": {"1": True}}, "logit_bias"),
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
     ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 1.5}, "min_tokens"), ({"min_tokens": True}, "min_tokens"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}}, "response_format.json_schema.schema"),
+    ({"guided_json": "{bad"}, "guided_json"), ({"guided_json": 5}, "guided_json"), ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"), ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+]
+STRUCTURED = [  # (fields, the StructuredOutput both endpoints build)
+    ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object", param="response_format")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"},
+                                                                 "strict": True}}},
+     StructuredOutput("json", '{"type": "object"}', "response_format.json_schema.schema")),
+    ({"guided_json": '{"type": "integer"}'}, StructuredOutput("json", '{"type": "integer"}', "guided_json")),
+    ({"guided_regex": "[a-z]+"}, StructuredOutput("regex", "[a-z]+", "guided_regex")),
+    ({"guided_choice": ["yes", "no"]}, StructuredOutput("choice", '["yes", "no"]', "guided_choice")),
+    ({"guided_grammar": 'root ::= "a"'}, StructuredOutput("grammar", 'root ::= "a"', "guided_grammar")),
+    ({"structured_outputs": {"choice": ["x"]}}, StructuredOutput("choice", '["x"]', "structured_outputs.choice")),
+    ({"structured_outputs": {"json_object": True}}, StructuredOutput("json_object", param="structured_outputs.json_object")),
 ]
 
 COMMON_ERRORS = [  # (fields, status, param, code), refused by both endpoints
@@ -252,6 +270,13 @@ def test_parameters_at_their_defaults_change_nothing(kind):
 def test_penalties_bias_and_min_tokens_reach_the_sampling_params(kind, fields, expected):
     parse, base = PARSERS[kind]
     assert parse({**base, **fields}, SERVED).sampling_params(16) == SamplingParams(max_tokens=16, **expected)
+
+
+@pytest.mark.parametrize("kind", PARSERS)
+@pytest.mark.parametrize("fields, expected", STRUCTURED)
+def test_structured_output_fields_name_one_grammar(kind, fields, expected):
+    parse, base = PARSERS[kind]
+    assert parse({**base, **fields}, SERVED).sampling_params(16).structured == expected
 
 
 def test_min_tokens_above_max_tokens_is_refused():
