@@ -285,3 +285,28 @@ def test_a_grammar_that_fails_mid_generation_fails_its_request_alone(tiny_model_
                 finals[out.request_id] = (out.finish_reason, out.error)
     assert finals["broken"][0] == "error" and "grammar library fault" in finals["broken"][1]
     assert finals["bystander"][0] in ("stop", "length") and finals["plain"] == ("length", None)
+
+
+def test_the_mask_kernel_keeps_exactly_the_allowed_tokens():
+    """ops.mask_rows against the bits read one by one in torch: mixed, empty and full words, a
+    width that is not a multiple of 32, and only the listed rows touched."""
+    from model_worker.runner.cpu_kernels import ops
+
+    if ops.kernels() is None:
+        pytest.skip("the CPU kernels do not build here")
+    width = 1000  # 31 full words and 8 bits of a last one
+    generator = torch.Generator().manual_seed(3)
+    masks = torch.randint(-2**31, 2**31 - 1, (5, 32), dtype=torch.int32, generator=generator)
+    masks[1] = 0
+    masks[2] = -1
+    masks[3, :16] = 0
+    logits = torch.randn(5, width, generator=generator)
+    rows = [0, 1, 2, 3]
+    expected = logits.clone()
+    for row in rows:
+        for token in range(width):
+            if not (int(masks[row, token // 32]) >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    assert ops.mask_rows(logits, masks, rows)
+    assert torch.equal(logits, expected)
+    assert torch.isinf(logits[1]).all() and not torch.isinf(logits[2]).any()

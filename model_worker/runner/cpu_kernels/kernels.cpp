@@ -2005,4 +2005,28 @@ ITERSERVE_EXPORT(f32, float)
 ITERSERVE_EXPORT(bf16, bf16)
 #undef ITERSERVE_EXPORT
 
+// A grammar's allowed tokens (model_worker/runner/grammar.py): each listed row of x keeps the values
+// whose bit is set in its bitmask row (token t is bit t % 32 of word t / 32) and gets -inf elsewhere.
+// A word of all ones (inside a JSON string most tokens are allowed) is skipped whole, one of zeros
+// filled whole.
+void mask_rows_f32(float* x, int64_t row_stride, const int64_t* rows, int64_t num_rows, int64_t width,
+                   const int32_t* bitmask, int64_t mask_stride) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for_each_index(num_rows, num_rows >= 2 && num_rows * width >= kParallelElements, [&](int64_t i) {
+    float* xr = x + rows[i] * row_stride;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(bitmask + rows[i] * mask_stride);
+    for (int64_t w = 0; w * 32 < width; ++w) {
+      const uint32_t bits = words[w];
+      if (bits == 0xFFFFFFFFu) continue;
+      const int64_t count = std::min<int64_t>(32, width - w * 32);
+      if (bits == 0) {  // at a JSON brace or a key most words allow nothing
+        std::fill_n(xr + w * 32, count, neg_inf);
+        continue;
+      }
+      for (int64_t b = 0; b < count; ++b)
+        if (!((bits >> b) & 1u)) xr[w * 32 + b] = neg_inf;
+    }
+  });
+}
+
 }  // extern "C"

@@ -117,6 +117,11 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
             function.argtypes = argtypes
     library.panel_amx.restype = ctypes.c_int
     library.panel_amx.argtypes = []
+    # Optional: an earlier kernels.cpp (kernels_from) may lack it; mask_rows() then uses torch.
+    mask_rows_f32 = getattr(library, "mask_rows_f32", None)
+    if mask_rows_f32 is not None:
+        mask_rows_f32.restype = None
+        mask_rows_f32.argtypes = [_P, _I, _P, _I, _I, _P, _I]
     library.prefill_attention_built_for.restype = ctypes.c_int
     library.prefill_attention_built_for.argtypes = [_I]
     return library
@@ -484,6 +489,23 @@ def small_layers(hidden: torch.Tensor, layers: list[SmallLayer], kv_caches: list
         # The input is never written: the first layer's is the caller's tensor.
         source, target = target, (spare if source is hidden else source)
     return source
+
+
+def mask_rows(x: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> bool:
+    """x[r, t] = -inf for each r in rows and each token t whose bit in bitmask[r] is clear, in
+    place: x (R, width) float32 rows contiguous, bitmask (R, ceil(width / 32)) int32 contiguous.
+    False, changing nothing, where the kernel is not built (the caller masks another way)."""
+    library = kernels()
+    function = getattr(library, "mask_rows_f32", None) if library is not None else None
+    if function is None or not rows:
+        return function is not None
+    num_rows, width = x.shape
+    _check(x.dtype == torch.float32 and x.stride(1) == 1 and x.device.type == "cpu" and bitmask.dtype == torch.int32
+           and bitmask.is_contiguous() and bitmask.shape[0] >= num_rows and bitmask.shape[1] * 32 >= width
+           and 0 <= min(rows) and max(rows) < num_rows, "bad mask_rows arguments")
+    indices = torch.tensor(rows, dtype=torch.int64)
+    function(x.data_ptr(), x.stride(0), indices.data_ptr(), len(rows), width, bitmask.data_ptr(), bitmask.stride(0))
+    return True
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
