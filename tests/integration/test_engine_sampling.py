@@ -114,10 +114,10 @@ def test_a_step_that_raises_on_one_request_fails_only_that_request(model_path):
     solo = {rid: generate_all(engine, {rid: (prompt, greedy)})[rid] for rid, prompt in prompts.items()}
     sample = engine.runner.sampler.sample_with_logprobs
 
-    def sample_or_raise(logits, params, output_indices, histories=None):
+    def sample_or_raise(logits, params, *rest):
         if any(p.seed == 13 for p in params):
             raise IndexError("index -1 is out of bounds for dimension 1 with size 256")
-        return sample(logits, params, output_indices, histories)
+        return sample(logits, params, *rest)
 
     engine.runner.sampler.sample_with_logprobs = sample_or_raise
     poison = SamplingParams(max_tokens=10, temperature=0.8, seed=13, ignore_eos=True)

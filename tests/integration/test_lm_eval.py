@@ -39,33 +39,19 @@ QUESTIONS = [("Q: What is the capital of Italy?\nA:", "Rome"), ("Q: What colour 
 @pytest.fixture(scope="module")
 def tasks_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("lm_eval_tasks")
-    with open(root / "choices.jsonl", "w") as f:
-        for question, choices, answer in CHOICES:
-            f.write(json.dumps({"question": question, "choices": choices, "answer": answer}) + "\n")
-    with open(root / "questions.jsonl", "w") as f:
-        for question, answer in QUESTIONS:
-            f.write(json.dumps({"question": question, "answer": answer}) + "\n")
-    (root / "iterserve_choices.yaml").write_text(f"""task: iterserve_choices
-dataset_path: json
-dataset_kwargs:
-  data_files: {{test: {root / "choices.jsonl"}}}
-test_split: test
+    _write_task(root, "iterserve_choices", [{"question": q, "choices": c, "answer": a} for q, c, a in CHOICES], """
 output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
 doc_to_target: answer
 target_delimiter: ""
 metric_list:
   - metric: acc
 """)
-    (root / "iterserve_questions.yaml").write_text(f"""task: iterserve_questions
-dataset_path: json
-dataset_kwargs:
-  data_files: {{test: {root / "questions.jsonl"}}}
-test_split: test
+    _write_task(root, "iterserve_questions", [{"question": q, "answer": a} for q, a in QUESTIONS], """
 output_type: generate_until
-doc_to_text: "{{{{question}}}}"
-doc_to_target: " {{{{answer}}}}"
+doc_to_text: "{{question}}"
+doc_to_target: " {{answer}}"
 generation_kwargs:
   until: ["\\n"]
   max_gen_toks: 8
@@ -76,6 +62,14 @@ metric_list:
     ignore_punctuation: true
 """)
     return root
+
+
+def _write_task(root, name: str, docs: list[dict], body: str) -> None:
+    """A task YAML over a local JSON-lines file of `docs` (no hub), with `body` after its data lines."""
+    data = root / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    (root / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n"
+                                       f"  data_files: {{test: {data}}}\ntest_split: test" + body)
 
 
 @pytest.fixture(scope="module")

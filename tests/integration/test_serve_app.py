@@ -298,3 +298,34 @@ def test_iterserve_bench_against_the_real_server(app, tmp_path):
     assert [s["rate"] for s in summaries] == [4.0, None] and all(s["goodput"] == 1.0 for s in summaries)
     report = (out / "report.md").read_text()
     assert "![" in report and (out / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_logprobs_n_echo_and_structured_output_cross_the_serving_path(app):
+    """The new fields over Ray: chunks with logprobs through the token channel and Ray streams,
+    prompt logprobs on a finished chunk, n choices routed and merged, a grammar compiled at the
+    ingress and applied by a replica."""
+    import json
+
+    oai = openai_client(app)
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                       temperature=0, logprobs=True, top_logprobs=2, n=2,
+                                       extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert all(len(c.logprobs.content) == 5 and len(c.logprobs.content[0].top_logprobs) == 2 for c in chat.choices)
+    stream = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                         temperature=0, logprobs=True, stream=True, extra_body={"ignore_eos": True})
+    streamed = [item.logprob for chunk in stream for choice in chunk.choices if choice.logprobs
+                for item in choice.logprobs.content]
+    assert streamed == pytest.approx([item.logprob for item in chat.choices[0].logprobs.content], abs=1e-4)
+    echo = oai.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=1, temperature=0, logprobs=1, echo=True)
+    assert echo.choices[0].logprobs.token_logprobs[0] is None and len(echo.choices[0].logprobs.tokens) == 4
+    structured = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON please"}],
+                                             max_tokens=60, temperature=0,
+                                             extra_body={"guided_choice": ["alpha", "beta"]})
+    assert structured.choices[0].message.content in ("alpha", "beta")
+    with httpx.Client(base_url=app.base, headers=AUTH, timeout=60) as c:
+        bad = c.post("/v1/completions", json={"prompt": "x", "guided_regex": "(unclosed"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
+        tokens = c.post("/tokenize", json={"prompt": "hello"}).json()
+        assert c.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"].endswith("hello")
+    json.dumps(chat.model_dump())  # the whole answer is JSON (no -inf slipped through)
