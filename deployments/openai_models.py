@@ -163,9 +163,11 @@ class _DefaultOnly:
         return value
 
 
-def _logit_bias(value: dict[str, Any]) -> dict[int, float]:
+def _logit_bias(value: dict[str, Any] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias: token ids (as the object's keys, JSON keys being strings) to a bias in
-    [-100, 100]."""
+    [-100, 100]. null: none."""
+    if value is None:
+        return None
     if len(value) > MAX_LOGIT_BIAS:
         raise _refused(lambda path: invalid(path, f"{path} may hold at most {MAX_LOGIT_BIAS} entries; got {len(value)}"))
     bias = {}

@@ -68,16 +68,17 @@ class RequestBuilder:
                 jsonschema.validators.validator_for(schema).check_schema(schema)
             except jsonschema.SchemaError as exc:
                 raise invalid(spec.param, f"{spec.param} is not a valid JSON schema: {exc.message}") from None
-        if self._grammar_compiler is None:
-            if self.info.vocab_size is None:
-                return  # the engine compiles it (and refuses it there)
-            from model_worker.runner.grammar import GrammarCompiler
-
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.info.vocab_size)
         try:
+            if self._grammar_compiler is None:
+                if self.info.vocab_size is None:
+                    return  # the engine compiles it (and refuses it there)
+                from model_worker.runner.grammar import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.info.vocab_size)
             self._grammar_compiler.compile(spec)
         except GrammarError as exc:
-            raise invalid(exc.param, str(exc)) from None
+            param = spec.param if exc.param == "structured_output" else exc.param
+            raise invalid(param, str(exc)) from None
 
     async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
         """A /tokenize body's token ids: the prompt as a completions request would send it, or the

@@ -29,11 +29,17 @@ if TYPE_CHECKING:  # the engine imports this module without torch (GrammarError)
 
 class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, max_threads: int = 1) -> None:
+        """GrammarError (param "structured_output") when this tokenizer cannot be read (one that
+        cannot list its vocabulary, or none at all)."""
         import xgrammar
 
         self._xgr = xgrammar
         self.vocab_size = vocab_size
-        self.tokenizer_info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        try:
+            self.tokenizer_info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        except (ValueError, TypeError, AttributeError, RuntimeError) as exc:
+            raise GrammarError("structured_output", "structured output is not available for this model: its "
+                                                    f"tokenizer cannot be read ({_first_line(exc)})") from None
         self._compiler = xgrammar.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True)
         # One compile at a time: xgrammar's compiler is safe to share, but its cache fills once.
         self._lock = threading.Lock()

@@ -344,7 +344,9 @@ def test_random_bodies_never_crash_or_hang_the_server(make_server):
            {"a": 1}, "\u00e9" * 50, [[1, 2], [3]], [{"role": "user"}]]
     fields = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
               "stream_options", "priority", "stop_token_ids", "ignore_eos", "messages", "model", "user", "logprobs",
-              "max_completion_tokens"]
+              "max_completion_tokens", "top_logprobs", "echo", "logit_bias", "presence_penalty", "frequency_penalty",
+              "repetition_penalty", "min_tokens", "response_format", "guided_json", "guided_regex", "guided_choice",
+              "guided_grammar", "structured_outputs"]
     rng = random.Random(0)
 
     async def main():
@@ -498,4 +500,15 @@ def test_n_choices_each_indexed_with_its_own_seed_unary_and_streamed(make_server
         chat = (await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                                  "n": 2, "max_tokens": 2})).json()
         assert [c["index"] for c in chat["choices"]] == [0, 1]
+    run(main())
+
+
+def test_structured_output_with_a_tokenizer_it_cannot_read_is_a_clear_400(make_server):
+    """The fake byte tokenizer cannot list its vocabulary: a grammar is refused naming its field,
+    not a 500 (the fuzz test found the 500)."""
+    async def main():
+        _, client = client_for(make_server())
+        r = await client.post("/v1/completions", json={"prompt": "x", "guided_regex": "[a-z]+"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
+        assert "not available for this model" in r.json()["error"]["message"]
     run(main())

@@ -114,7 +114,7 @@ def test_sampling_params_are_built_with_the_given_max_tokens():
 UNSUPPORTED = [("best_of", 2), ("suffix", "x"),
                ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
                ("functions", [{"name": "f"}]), ("tool_choice", "auto")]
-DEFAULTS = [("logprobs", None), ("echo", False), ("best_of", 1), ("suffix", ""), ("logit_bias", {}),
+DEFAULTS = [("logprobs", None), ("echo", False), ("best_of", 1), ("suffix", ""), ("logit_bias", {}), ("logit_bias", None),
             ("presence_penalty", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0), ("repetition_penalty", 1),
             ("min_tokens", 0), ("tools", []), ("functions", []), ("tool_choice", "none"), ("tool_choice", None),
             ("response_format", {"type": "text"}), ("response_format", None), ("logprobs", False)]
