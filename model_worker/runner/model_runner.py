@@ -27,7 +27,7 @@ from model_worker.runner.llama import LlamaDecoder
 from model_worker.runner.loader import Checkpoint, load_checkpoint, load_eos_token_ids
 from model_worker.runner.memory_plan import graph_batch_for, kv_budget_bytes, profile_steps
 from model_worker.runner.grammar import GrammarCompiler
-from model_worker.runner.sampler import Sampler
+from model_worker.runner.sampler import Sampler, token_logprobs
 from model_worker.runner.uploader import Uploader
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -252,14 +252,10 @@ class TorchModelRunner:
         for seq in sequences:
             num_rows = _num_prompt_rows(seq)
             if num_rows:
-                k = seq.sampling_params.prompt_logprobs or 0
                 rows = logits[row:row + num_rows].float()
                 targets = torch.tensor(seq.prompt_token_ids[seq.start_position + 1:seq.start_position + 1 + num_rows],
                                        dtype=torch.int64, device=rows.device)
-                normaliser = torch.logsumexp(rows, dim=-1, keepdim=True)
-                chosen = (rows.gather(1, targets.unsqueeze(1)) - normaliser).squeeze(1).tolist()
-                top_values, top_ids = rows.topk(k, dim=-1) if k else (rows[:, :0], rows[:, :0].long())
-                top_values, top_ids = (top_values - normaliser).tolist(), top_ids.tolist()
+                chosen, top_ids, top_values = token_logprobs(rows, targets, seq.sampling_params.prompt_logprobs or 0)
                 self.prompt_logprobs[seq.request_id] = (
                     seq.start_position + 1, [(c, i, v) for c, i, v in zip(chosen, top_ids, top_values)])
                 row += num_rows

@@ -187,14 +187,8 @@ class Sampler:
         scaled = logits[self._tensor(rows, torch.int64)].float()
         if any(p.temperature not in (0.0, 1.0) for p in asked):
             scaled /= self._tensor([p.temperature or 1.0 for p in asked], torch.float32).unsqueeze(1)
-        # log_softmax(x)[i] = x[i] - logsumexp(x): two passes over the rows, none writing a copy of
-        # them (log_softmax and then a top-k over its output cost 2.7 ms a step at 32 rows).
-        normaliser = torch.logsumexp(scaled, dim=-1, keepdim=True)
-        drawn = scaled.gather(1, self._tensor([tokens[row] for row in rows], torch.int64).unsqueeze(1)) - normaliser
-        drawn_values = drawn.squeeze(1).tolist()
-        most = max(p.logprobs for p in asked)
-        top_values, top_ids = scaled.topk(most, dim=-1) if most else (scaled[:, :0], scaled[:, :0].long())
-        top_values, top_ids = (top_values - normaliser).tolist(), top_ids.tolist()
+        drawn_values, top_ids, top_values = token_logprobs(
+            scaled, self._tensor([tokens[row] for row in rows], torch.int64), max(p.logprobs for p in asked))
         return {row: (drawn_values[i], top_ids[i][:p.logprobs], top_values[i][:p.logprobs])
                 for i, (row, p) in enumerate(zip(rows, asked))}
 
@@ -278,6 +272,18 @@ class Sampler:
                 self._row_generator.manual_seed(row_seed(p.seed, output_index))
                 uniform[row] = torch.rand(shape[1], device=self.device, generator=self._row_generator)
         return uniform.log_().neg_()
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: int
+                   ) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """log_softmax of each row of float32 `logits` (R, vocab) at its `chosen` id (R,), and its
+    `num_top` largest values with their ids. As x - logsumexp(x): two passes over the rows, none
+    writing a copy of them (log_softmax and then a top-k over its output cost 2.7 ms a step at 32
+    rows of SmolLM2's vocabulary). The sampled tokens' logprobs and the prompt's both come here."""
+    normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
+    drawn = (logits.gather(1, chosen.unsqueeze(1)) - normaliser).squeeze(1).tolist()
+    top_values, top_ids = logits.topk(num_top, dim=-1) if num_top else (logits[:, :0], logits[:, :0].long())
+    return drawn, top_ids.tolist(), (top_values - normaliser).tolist()
 
 
 def _filters(params: SamplingParams, vocab_size: int) -> bool:
